@@ -1,0 +1,47 @@
+"""The readable end-of-run summary printed by the examples (steps, reward, accuracy before/after, time)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class RunSummary:
+    model: str
+    world_size: int = 1
+    steps: int = 0
+    train_seconds: float = 0.0
+    accuracy_before: float | None = None
+    accuracy_after: float | None = None
+    reward_first: float | None = None
+    reward_last: float | None = None
+
+    def read_log_history(self, log_history: list[dict], global_step: int, reward_key: str = "reward") -> None:
+        """Take the first and last logged mean reward from a Trainer's ``state.log_history``."""
+        rewards = [entry[reward_key] for entry in log_history if reward_key in entry]
+        self.steps = global_step
+        if rewards:
+            self.reward_first, self.reward_last = rewards[0], rewards[-1]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def render(self) -> str:
+        def percent(value: float | None) -> str:
+            return "n/a" if value is None else f"{100 * value:.1f}%"
+
+        def number(value: float | None) -> str:
+            return "n/a" if value is None else f"{value:.3f}"
+
+        lines = [
+            "=" * 60,
+            f"model            {self.model}",
+            f"processes        {self.world_size}",
+            f"steps            {self.steps}  ({self.train_seconds:.0f} s training)",
+            f"reward           {number(self.reward_first)} (first log) -> {number(self.reward_last)} (last log)",
+            f"held-out acc.    {percent(self.accuracy_before)} before -> {percent(self.accuracy_after)} after",
+        ]
+        if self.accuracy_before is not None and self.accuracy_after is not None:
+            lines.append(f"gain             {100 * (self.accuracy_after - self.accuracy_before):+.1f} points")
+        lines.append("=" * 60)
+        return "\n".join(lines)

@@ -1,0 +1,4 @@
+from .grpo_config import GRPOConfig
+from .grpo_trainer import GRPOTrainer
+
+__all__ = ["GRPOConfig", "GRPOTrainer"]

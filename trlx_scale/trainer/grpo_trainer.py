@@ -1,0 +1,131 @@
+"""``GRPOTrainer``: a drop-in subclass of ``trl.GRPOTrainer``.
+
+Same constructor, same behaviour, while no trlx_scale option is on; the systems features (colocated engine
+lifecycle, LoRA-only sync, GSPO, shared prefixes, optimizer presets) are wired in here from their components.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from trl import GRPOTrainer as TRLGRPOTrainer
+
+from ..generation.colocated_generation import ColocatedVLLMGeneration
+from ..generation.cpu_environment import configure_vllm_cpu_environment
+from .grpo_config import GRPOConfig
+
+if TYPE_CHECKING:
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+    from peft import PeftConfig, PeftModel
+    from transformers import (
+        BitsAndBytesConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        ProcessorMixin,
+        TrainerCallback,
+    )
+
+
+class GRPOTrainer(TRLGRPOTrainer):
+    """Group Relative Policy Optimization, as [`trl.GRPOTrainer`], with trlx_scale's scaling features.
+
+    The constructor mirrors TRL's argument for argument (a contract test compares the signatures), so a script
+    written for `trl.GRPOTrainer` runs unchanged with the import switched to `trlx_scale`. `args` may be a
+    [`trlx_scale.GRPOConfig`] or a plain [`trl.GRPOConfig`] (then every trlx_scale option keeps its default).
+    """
+
+    _tag_names = ["trl", "grpo", "trlx-scale"]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | PeftModel,
+        reward_funcs: Any | list[Any] | None = None,
+        args: GRPOConfig | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset
+        | IterableDataset
+        | DatasetDict
+        | IterableDatasetDict
+        | dict[str, Dataset | IterableDataset]
+        | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: BitsAndBytesConfig | None = None,
+        peft_config: PeftConfig | None = None,
+        tools: list[Callable] | None = None,
+        rollout_func: Any | None = None,
+        environment_factory: Any | None = None,
+    ):
+        colocate = args is not None and args.use_vllm and args.vllm_mode == "colocate"
+        if colocate:
+            configure_vllm_cpu_environment(getattr(args, "vllm_cpu_kvcache_space", 1.0))
+            # TRL creates its own engine eagerly in __init__ and two engines must never start: TRL sees
+            # use_vllm=False while it sets up, and ours is built right after (see _build_colocated_engine).
+            args.use_vllm = False
+        try:
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                reward_processing_classes=reward_processing_classes,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                quantization_config=quantization_config,
+                peft_config=peft_config,
+                tools=tools,
+                rollout_func=rollout_func,
+                environment_factory=environment_factory,
+            )
+        finally:
+            if colocate:
+                args.use_vllm = True
+        if colocate:
+            self.use_vllm = True
+            self._check_vllm_only_options()
+            self.vllm_generation = self._build_colocated_engine()
+            self._last_loaded_step = -1  # TRL's tag: sync once per optimizer step, not per micro-batch
+
+    def _check_vllm_only_options(self) -> None:
+        """The checks TRL's __init__ runs only when use_vllm is on (it saw it off); kept in step by a contract test."""
+        if self.loss_type == "vespo" and self.vllm_importance_sampling_correction:
+            if self.vllm_importance_sampling_mode not in ["token_truncate", "token_mask"]:
+                raise ValueError(
+                    f"VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or "
+                    f"'token_mask'. Got: {self.vllm_importance_sampling_mode}."
+                )
+
+    def _build_colocated_engine(self) -> ColocatedVLLMGeneration:
+        """The colocated engine, configured as TRL configures its own plus trlx_scale's engine options."""
+        args = self.args
+        engine_dtype = args.engine_dtype() if isinstance(args, GRPOConfig) else "auto"
+        return ColocatedVLLMGeneration(
+            model=self.model,
+            accelerator=self.accelerator,
+            processing_class=self.processing_class,
+            mode="colocate",
+            structured_outputs_regex=args.vllm_structured_outputs_regex,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_length=args.vllm_max_model_length,
+            max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            model_impl=args.vllm_model_impl,
+            trust_remote_code=args.trust_remote_code,
+            repetition_penalty=self.repetition_penalty,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            max_completion_length=self.max_completion_length,
+            logprobs=0,  # only the sampled tokens' log-probs (importance-sampling correction)
+            generation_kwargs=args.generation_kwargs,
+            dtype=engine_dtype,
+            enforce_eager=getattr(args, "vllm_enforce_eager", None),
+        )
