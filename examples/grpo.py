@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name or "trlx_scale/addition")
     if trainer.accelerator.is_main_process:
+        summary.write_json(os.path.join(training_args.output_dir, "run_summary.json"))
         print(summary.render(), flush=True)
     return summary.as_dict()
 

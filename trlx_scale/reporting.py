@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass
 
 
@@ -25,6 +27,14 @@ class RunSummary:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def write_json(self, path: str) -> None:
+        """Write the summary atomically (temporary file + rename): a reader never sees half a file."""
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        temporary = f"{path}.tmp-{os.getpid()}"
+        with open(temporary, "w") as handle:
+            json.dump(self.as_dict(), handle, indent=2)
+        os.replace(temporary, path)
 
     def render(self) -> str:
         def percent(value: float | None) -> str:

@@ -1,0 +1,43 @@
+# The two commands of the README:
+#   make run    GRPO example on the embedded default model, vLLM colocated (CPU build on CPU-only machines)
+#   make test   the test-suite (what CI runs)
+# Each creates/updates .venv first.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.trlx_scale_installed
+NUM_PROCESSES ?= 1
+ARGS ?=
+
+# vLLM on CPU: a 1 GiB KV cache instead of most of the RAM (a user's exported value wins).
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install run test test-fast lint format clean
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh $(VENV)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/accelerate launch --num_processes $(NUM_PROCESSES) --num_machines 1 --mixed_precision no \
+		--dynamo_backend no examples/grpo.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache

@@ -1,0 +1,73 @@
+"""Shared fixtures: the embedded model (shipped, HF format) and one vLLM CPU engine for the whole session."""
+
+from __future__ import annotations
+
+import os
+
+# vLLM reads these when an engine starts: a small KV cache (unset, it reserves most of the RAM) and the engine core in
+# this process, so tests can reach the model runner the way a colocated trainer does.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from trlx_scale.models.default_model import default_model_path  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture()
+def default_model(default_model_dir):
+    """A fresh fp32 copy of the default model for each test (tests may change its weights)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(default_model_dir):
+    """One real vLLM CPU engine on the default model, fp32, shared by every test that only needs an engine.
+
+    Tests that change its weights must restore them (see ``restore_engine_weights``).
+    """
+    from vllm import LLM
+
+    llm = LLM(
+        model=default_model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=64,
+        seed=0,
+        enable_prefix_caching=True,
+    )
+    yield llm
+    del llm
+
+
+@pytest.fixture()
+def restore_engine_weights(vllm_engine, default_model_dir):
+    """Put the shipped weights back into the shared engine after a test that changed them."""
+    yield
+    from transformers import AutoModelForCausalLM
+
+    from trlx_scale.compat.vllm_weight_reload import reload_weights_in_place
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    worker = vllm_engine.llm_engine.model_executor.driver_worker
+    reload_weights_in_place(worker, model.state_dict().items())
+    vllm_engine.reset_prefix_cache()

@@ -1,0 +1,91 @@
+"""Drop-in contract with TRL: fails when a TRL name we subclass, override or rely on disappears or changes."""
+
+import dataclasses
+import inspect
+import re
+
+import trl
+from trl.generation.vllm_generation import VLLMGeneration
+
+import trlx_scale
+from trlx_scale import GRPOConfig, GRPOTrainer
+from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
+
+# Methods a trlx_scale class defines that its TRL parent does not have (new API, not overrides).
+NEW_METHODS = {
+    GRPOTrainer: {"_check_vllm_only_options", "_build_colocated_engine"},
+    ColocatedVLLMGeneration: {"llm_kwargs", "_quantization"},
+}
+
+
+def _parameters(func):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(func).parameters.values()]
+
+
+def test_public_names():
+    assert issubclass(trlx_scale.GRPOTrainer, trl.GRPOTrainer)
+    assert issubclass(trlx_scale.GRPOConfig, trl.GRPOConfig)
+
+
+def test_trainer_constructor_matches_trl():
+    assert _parameters(GRPOTrainer.__init__) == _parameters(trl.GRPOTrainer.__init__)
+
+
+def test_config_has_every_trl_field_with_the_same_default():
+    ours = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    for theirs in dataclasses.fields(trl.GRPOConfig):
+        assert theirs.name in ours, theirs.name
+        assert ours[theirs.name].default == theirs.default, theirs.name
+        assert ours[theirs.name].default_factory == theirs.default_factory, theirs.name
+
+
+def test_added_config_fields_have_help():
+    trl_names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    added = [f for f in dataclasses.fields(GRPOConfig) if f.name not in trl_names]
+    assert added, "trlx_scale adds fields to GRPOConfig"
+    for f in added:
+        assert len(f.metadata.get("help", "")) > 20, f"{f.name} needs a help text"
+
+
+def test_overridden_methods_exist_upstream_with_the_same_signature():
+    for ours, parent in ((GRPOTrainer, trl.GRPOTrainer), (ColocatedVLLMGeneration, VLLMGeneration)):
+        for name, member in vars(ours).items():
+            if not callable(member) or name.startswith("__"):
+                continue
+            if name in NEW_METHODS[ours]:
+                assert not hasattr(parent, name), f"TRL now defines {parent.__name__}.{name}: rename ours"
+                continue
+            assert hasattr(parent, name), f"{parent.__name__}.{name} disappeared upstream"
+            assert _parameters(member) == _parameters(getattr(parent, name)), f"{name} changed signature"
+
+
+def test_vllm_generation_constructor_still_takes_what_we_pass():
+    passed = {
+        "model", "accelerator", "processing_class", "mode", "structured_outputs_regex", "tensor_parallel_size",
+        "gpu_memory_utilization", "max_model_length", "max_num_seqs", "enable_sleep_mode", "model_impl",
+        "trust_remote_code", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
+        "max_completion_length", "logprobs", "generation_kwargs",
+    }  # fmt: skip
+    assert passed <= set(inspect.signature(VLLMGeneration.__init__).parameters)
+    # Attributes of TRL's engine our subclass reads or sets.
+    source = inspect.getsource(VLLMGeneration)
+    for attribute in ("self._llm_weights_sleeping", "self.tp_group", "def _iter_named_params", "self.llm"):
+        assert attribute in source, attribute
+
+
+def test_trl_init_uses_use_vllm_only_where_we_replay_it():
+    """Our trainer hides use_vllm from TRL's __init__ (so TRL starts no engine) and replays what it would have done:
+    the VESPO check and the engine construction. A new use of use_vllm in TRL's __init__ must be mirrored."""
+    source = inspect.getsource(trl.GRPOTrainer.__init__)
+    uses = [line.strip() for line in source.splitlines() if re.search(r"\buse_vllm\b", line)]
+    assert uses == [
+        '"`use_transformers_continuous_batching` does not support multimodal models. Use `use_vllm` instead."',
+        "self.use_vllm = args.use_vllm",
+        'if self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction:',
+        "if self.use_vllm:",
+    ], uses
+    assert "self._last_loaded_step = -1" in source
+    # The generation paths find the engine through these names.
+    generation_source = inspect.getsource(trl.GRPOTrainer._generate_single_turn)
+    assert "self.vllm_generation.sync_weights()" in generation_source
+    assert "self._last_loaded_step" in generation_source
