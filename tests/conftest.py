@@ -39,24 +39,33 @@ def default_model(default_model_dir):
 
 
 @pytest.fixture(scope="session")
-def vllm_engine(default_model_dir):
+def _engine_cache():
+    return {}
+
+
+@pytest.fixture()
+def vllm_engine(default_model_dir, _engine_cache):
     """One real vLLM CPU engine on the default model, fp32, shared by every test that only needs an engine.
 
-    Tests that change its weights must restore them (see ``restore_engine_weights``).
+    vLLM keeps its parallel groups in process globals, and a trainer's engine tears them down when it is freed; the
+    shared engine is then rebuilt once (about 5 s) instead of failing. Tests that change its weights must restore them
+    (see ``restore_engine_weights``).
     """
     from vllm import LLM
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
-    llm = LLM(
-        model=default_model_dir,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=64,
-        max_num_seqs=64,
-        seed=0,
-        enable_prefix_caching=True,
-    )
-    yield llm
-    del llm
+    if "llm" not in _engine_cache or not model_parallel_is_initialized():
+        _engine_cache.pop("llm", None)
+        _engine_cache["llm"] = LLM(
+            model=default_model_dir,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=64,
+            max_num_seqs=64,
+            seed=0,
+            enable_prefix_caching=True,
+        )
+    return _engine_cache["llm"]
 
 
 @pytest.fixture()

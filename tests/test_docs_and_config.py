@@ -28,7 +28,7 @@ def test_reference_lists_every_field():
 
 @pytest.mark.parametrize(
     ("flags", "expected"),
-    [({}, "float32"), ({"bf16": True}, "bfloat16"), ({"fp16": False, "bf16": False}, "float32")],
+    [({}, "float32"), ({"bf16": True, "use_cpu": True}, "bfloat16"), ({"fp16": False, "bf16": False}, "float32")],
 )
 def test_engine_dtype_follows_the_trainer(tmp_path, flags, expected):
     args = GRPOConfig(output_dir=str(tmp_path), vllm_dtype="trainer", **{"bf16": False, **flags})

@@ -75,9 +75,16 @@ def reload_weights_in_place(driver_worker, named_weights: Iterable[tuple[str, to
     driver_worker.reload_weights(weights_iterator=iter(named_weights), is_checkpoint_format=True)
 
 
-def worker_reload_signature_ok(worker_cls: type) -> bool:
-    """Whether ``worker_cls.model_runner.reload_weights`` still takes the arguments this module passes."""
+def worker_reload_signature_ok(driver_worker) -> bool:
+    """Whether a colocated engine's driver worker still offers ``reload_weights`` with the arguments passed here.
+
+    The worker forwards the call to its model runner (``GPUModelRunner.reload_weights``, which the CPU runner
+    inherits), so that is the signature checked.
+    """
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     parameters = inspect.signature(GPUModelRunner.reload_weights).parameters
-    return hasattr(worker_cls, "reload_weights") and {"weights_iterator", "is_checkpoint_format"} <= set(parameters)
+    return callable(getattr(driver_worker, "reload_weights", None)) and {
+        "weights_iterator",
+        "is_checkpoint_format",
+    } <= set(parameters)
