@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml scripts/install.sh
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/accelerate launch --num_processes $(NUM_PROCESSES) --num_machines 1 --mixed_precision no \
-		--dynamo_backend no examples/grpo.py $(ARGS)
+	$(VENV)/bin/accelerate launch $(if $(filter-out 1,$(NUM_PROCESSES)),--multi_gpu,) \
+		--num_processes $(NUM_PROCESSES) --num_machines 1 --mixed_precision no --dynamo_backend no \
+		examples/grpo.py $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 $(ARGS)
