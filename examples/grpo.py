@@ -57,7 +57,11 @@ class GRPOScriptArguments(ScriptArguments):
     )
 
 
-def example_defaults() -> dict:
+# Optimizer fields an --optim_preset fills; the example's own values for them step aside when a preset is chosen.
+EXAMPLE_OPTIMIZER_DEFAULTS = dict(learning_rate=1e-3, lr_scheduler_type="constant_with_warmup", warmup_steps=5)
+
+
+def example_defaults(argv: list[str]) -> dict:
     """Defaults of this example: the embedded model and task, vLLM colocated, LoRA, a few minutes on 2 CPU cores."""
     defaults = dict(
         model_name_or_path=default_model_path(),
@@ -71,9 +75,6 @@ def example_defaults() -> dict:
         vllm_mode="colocate",
         vllm_dtype="trainer",
         output_dir="outputs/grpo-addition",
-        learning_rate=1e-3,
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=5,
         max_steps=100,
         per_device_train_batch_size=128,  # 16 prompts x 8 completions per process and step
         num_generations=8,
@@ -85,6 +86,8 @@ def example_defaults() -> dict:
         report_to="none",
         seed=42,
     )
+    if not any(arg == "--optim_preset" or arg.startswith("--optim_preset=") for arg in argv):
+        defaults.update(EXAMPLE_OPTIMIZER_DEFAULTS)
     if not torch.cuda.is_available():
         # CPU: fp32 compute, and under a multi-process launcher the gloo process group (DeepSpeed ZeRO-3 included).
         defaults["bf16"] = False
@@ -122,8 +125,9 @@ def load_data(script_args: GRPOScriptArguments, seed: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
     parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig))
-    parser.set_defaults_with_config(**example_defaults())
+    parser.set_defaults_with_config(**example_defaults(argv))
     script_args, training_args, model_args = parser.parse_args_and_config(argv)
 
     train_dataset, held_out = load_data(script_args, training_args.seed)

@@ -13,7 +13,12 @@ from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
 
 # Methods a trlx_scale class defines that its TRL parent does not have (new API, not overrides).
 NEW_METHODS = {
-    GRPOTrainer: {"_check_vllm_only_options", "_build_colocated_engine"},
+    GRPOTrainer: {
+        "_check_vllm_only_options",
+        "_build_colocated_engine",
+        "_setup_master_weights",
+        "_uses_master_optimizer",
+    },
     ColocatedVLLMGeneration: {"llm_kwargs", "_quantization"},
 }
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig as TRLGRPOConfig
 
+from ..optim.presets import PRESETS, apply_preset, get_preset
+
 
 @dataclass
 class GRPOConfig(TRLGRPOConfig):
@@ -22,6 +24,12 @@ class GRPOConfig(TRLGRPOConfig):
         Weight dtype of the colocated vLLM engine: `"auto"` leaves it to vLLM (TRL's behaviour; vLLM then loads an
         fp32 checkpoint in bf16 on CPU), `"trainer"` uses the trainer's compute dtype (bf16/fp16 flags, else
         fp32), or an explicit `"bfloat16"`, `"float16"`, `"float32"`.
+    optim_preset (`str` or `None`, *optional*, defaults to `None`):
+        Optimizer hyperparameters tuned for RL (`"grpo"`, `"grpo_lora"`, `"ppo_policy"`, `"ppo_critic"`, `"dpo"`;
+        see `trlx_scale.optim.presets`). Fills only the optimizer fields left at their defaults.
+    fp32_master_weights (`bool` or `None`, *optional*, defaults to `None`):
+        Hold the model in bf16 and keep fp32 master weights and Adam moments in the optimizer. `None`: on when
+        `optim_preset` is set.
     vllm_enforce_eager (`bool` or `None`, *optional*, defaults to `None`):
         Run the colocated engine without torch.compile. `None`: eager on CPU (compilation costs ~35 s at start-up
         there and CUDA graphs do not exist), vLLM's default on GPUs.
@@ -52,17 +60,43 @@ class GRPOConfig(TRLGRPOConfig):
         },
     )
 
+    optim_preset: str | None = field(
+        default=None,
+        metadata={
+            "help": "Optimizer hyperparameters tuned for RL: 'grpo', 'grpo_lora', 'ppo_policy', 'ppo_critic', 'dpo' "
+            "(AdamW, constant schedule with warmup, betas (0.9, 0.95); docs/optimizers.md). Fills only the optimizer "
+            "fields left at their defaults; the effective values are printed at start.",
+            "choices": [None, *sorted(PRESETS)],
+        },
+    )
+    fp32_master_weights: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Hold the model in bf16 (compute and the weights sent to vLLM) and keep fp32 master weights and "
+            "fp32 Adam moments in the optimizer, so that tiny RL updates are not rounded away. Unset: on when "
+            "optim_preset is set. Under FSDP2/ZeRO-3 the sharding engine keeps the masters (docs/optimizers.md)."
+        },
+    )
+
+    @property
+    def uses_fp32_master_weights(self) -> bool:
+        return self.optim_preset is not None if self.fp32_master_weights is None else self.fp32_master_weights
+
     def engine_dtype(self) -> str:
         """The dtype string handed to ``vllm.LLM`` for ``vllm_dtype``."""
         if self.vllm_dtype != "trainer":
             return self.vllm_dtype
-        if self.bf16:
+        if self.bf16 or self.uses_fp32_master_weights:
             return "bfloat16"
         if self.fp16:
             return "float16"
         return "float32"
 
     def __post_init__(self) -> None:
+        # Before TrainingArguments.__post_init__, which turns some of these fields into enums.
+        self.optim_preset_values: dict | None = None
+        if self.optim_preset is not None:
+            self.optim_preset_values = apply_preset(self, get_preset(self.optim_preset))
         super().__post_init__()
         allowed_dtypes = ("auto", "trainer", "bfloat16", "float16", "float32")
         if self.vllm_dtype not in allowed_dtypes:
