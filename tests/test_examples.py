@@ -48,15 +48,19 @@ def test_example_single_process_saves_adapter_and_summary(tmp_path):
 
 @pytest.mark.slow
 def test_example_two_processes_through_accelerate_launch(tmp_path):
+    """DDP on CPU (gloo), one vLLM engine per process, LoRA with fp32 masters (bf16 model) under DDP."""
     out = tmp_path / "run2"
     config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml")
-    _run(
+    result = _run(
         [ACCELERATE, "launch", "--config_file", config, "--num_processes", "2", EXAMPLE]
-        + ["--max_steps", "3", "--eval_size", "40", "--output_dir", str(out)],
+        + ["--max_steps", "3", "--eval_size", "40", "--output_dir", str(out), "--optim_preset", "grpo_lora"],
         timeout=1200,
     )
     summary = _summary(out)
     assert summary["world_size"] == 2 and summary["steps"] == 3
+    assert (
+        "optimizer preset 'grpo_lora'" in result.stdout and "fp32_master_weights: model held in bf16" in result.stdout
+    )
 
 
 @pytest.mark.slow
