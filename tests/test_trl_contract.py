@@ -19,7 +19,15 @@ NEW_METHODS = {
         "_setup_master_weights",
         "_uses_master_optimizer",
     },
-    ColocatedVLLMGeneration: {"llm_kwargs", "_quantization"},
+    ColocatedVLLMGeneration: {
+        "llm_kwargs",
+        "_quantization",
+        "_resolve_sleep_level",
+        "_engine_torch_dtype",
+        "_full_weights",
+        "_push_weights",
+        "pop_metrics",
+    },
 }
 
 
@@ -72,9 +80,20 @@ def test_vllm_generation_constructor_still_takes_what_we_pass():
         "max_completion_length", "logprobs", "generation_kwargs",
     }  # fmt: skip
     assert passed <= set(inspect.signature(VLLMGeneration.__init__).parameters)
+    # TRL's helper our engine reuses to turn vLLM outputs into per-token log-probs.
+    from trl.generation.vllm_generation import extract_logprobs
+
+    assert list(inspect.signature(extract_logprobs).parameters) == ["all_outputs"]
     # Attributes of TRL's engine our subclass reads or sets.
     source = inspect.getsource(VLLMGeneration)
-    for attribute in ("self._llm_weights_sleeping", "self.tp_group", "def _iter_named_params", "self.llm"):
+    for attribute in (
+        "self._llm_weights_sleeping",
+        "self.tp_group",
+        "def _iter_named_params",
+        "def _fix_param_name_to_vllm",
+        "self._dist = DistributedBackend(accelerator)",
+        "self.llm",
+    ):
         assert attribute in source, attribute
 
 

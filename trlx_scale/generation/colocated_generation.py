@@ -1,24 +1,32 @@
-"""``ColocatedVLLMGeneration``: TRL's ``VLLMGeneration`` with the engine options trlx_scale controls.
+"""``ColocatedVLLMGeneration``: the engine component every trlx_scale trainer uses in colocate mode.
 
-It keeps TRL's interface (``generate``, ``sync_weights``, ``llm``) so every TRL code path that uses the engine works
-unchanged, and adds:
+It subclasses TRL's ``VLLMGeneration`` and keeps its interface (``sync_weights()``, ``generate(...)``, ``llm``), so
+TRL's trainer code drives it unchanged, and it is the only object that talks to vLLM. Per rollout:
 
-- ``dtype``: the engine's weight dtype. TRL leaves it to vLLM, whose "auto" loads an fp32 checkpoint in bf16 on CPU,
-  so vLLM's log-probs differ from an fp32 trainer's by ~0.02 (DESIGN.md) before any staleness.
-- ``enforce_eager``: skip torch.compile. Left to vLLM, a tiny model's engine takes ~40 s to start on CPU instead of
-  ~5 s, and CUDA graphs do not exist there. "auto" (None) = eager on CPU only, TRL's behaviour on GPUs.
-- weight sync through vLLM's layer-wise in-place reload where the per-parameter path is broken
-  (see ``trlx_scale.compat.vllm_weight_reload``).
+    wake(weights) -> sync (LoRA adapter only, or every weight in buckets) -> wake(kv_cache) -> reset prefix cache
+    -> generate each unique prompt once with n samples -> sleep
+
+What it adds to TRL's engine:
+
+- the explicit sleep/wake lifecycle (``lifecycle.EngineLifecycle``), level chosen by the sync mode;
+- LoRA-only weight sync and bucketed full sync (``weight_sync``), through vLLM's in-place reload where the
+  per-parameter path is broken (``trlx_scale.compat.vllm_weight_reload``);
+- prefix-cached group generation (``group_generation``);
+- ``dtype`` and ``enforce_eager`` for the engine (TRL leaves both to vLLM: bf16 on CPU even for an fp32
+  checkpoint, and a ~35 s torch.compile at start-up on CPU);
+- per-round metrics (``pop_metrics``): sync time and bytes, wake/sleep/generation time, tokens/s, device memory.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from contextlib import nullcontext
 
 import torch
 from transformers import is_bitsandbytes_available
-from trl.generation.vllm_generation import VLLMGeneration
+from trl.generation.vllm_generation import VLLMGeneration, extract_logprobs
 from trl.import_utils import is_vllm_available
 from trl.trainer.utils import ensure_master_addr_port
 
@@ -29,28 +37,57 @@ from ..compat.vllm_weight_reload import (
     with_tied_aliases,
 )
 from .cpu_environment import running_on_cpu_only
+from .group_generation import collapse_runs, expand_outputs
+from .lifecycle import EngineLifecycle
+from .weight_sync import LoRAAdapterSync, choose_sync_mode, full_weight_stream, is_peft_model
 
 logger = logging.getLogger(__name__)
 
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
 
 class ColocatedVLLMGeneration(VLLMGeneration):
-    """vLLM generation in the training processes ("colocate" mode), with explicit dtype and eager options."""
+    """vLLM generation in the training processes ("colocate" mode).
 
-    def __init__(self, *args, dtype: str = "auto", enforce_eager: bool | None = None, **kwargs):
+    Args (besides TRL's ``VLLMGeneration`` arguments):
+        dtype: engine weight dtype ("auto" leaves it to vLLM).
+        enforce_eager: skip torch.compile; None = eager on CPU only.
+        sync_mode: "auto" (LoRA-only when vLLM can serve the adapter, else full), "lora" or "full".
+        sleep_level: "auto" (1 for LoRA-only sync, 2 for full), 1 or 2; used when ``enable_sleep_mode``.
+        sync_bucket_mb: size of the buckets a full sync gathers and pushes at a time.
+    """
+
+    def __init__(
+        self,
+        *args,
+        dtype: str = "auto",
+        enforce_eager: bool | None = None,
+        sync_mode: str = "auto",
+        sleep_level: str | int = "auto",
+        sync_bucket_mb: float = 256.0,
+        **kwargs,
+    ):
         self.dtype = dtype
         self.enforce_eager = running_on_cpu_only() if enforce_eager is None else enforce_eager
+        self.requested_sync_mode = sync_mode
+        self.requested_sleep_level = sleep_level
+        self.sync_bucket_bytes = int(sync_bucket_mb * 2**20)
         self._tied_aliases: dict[str, str] | None = None
+        self._metrics: dict[str, float] = {}
+        self._lora_request = None
         super().__init__(*args, **kwargs)
 
+    # ------------------------------------------------------------------ construction
+
     def llm_kwargs(self) -> dict:
-        """Arguments of the colocated ``vllm.LLM``: TRL's choices plus ``dtype`` and ``enforce_eager``."""
-        return dict(
+        """Arguments of the colocated ``vllm.LLM``: TRL's choices plus trlx_scale's."""
+        kwargs = dict(
             model=self.model.name_or_path,
             tensor_parallel_size=self.tensor_parallel_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_model_len=self.max_model_length,
             max_num_seqs=self.max_num_seqs,
-            enable_sleep_mode=self.enable_sleep_mode,
+            enable_sleep_mode=self.sleep_supported and self.enable_sleep_mode,
             model_impl=self.model_impl,
             # One engine per training process (or per tensor-parallel group), driven by torch.distributed.
             distributed_executor_backend="external_launcher",
@@ -64,7 +101,12 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             trust_remote_code=self.trust_remote_code,
             dtype=self.dtype,
             enforce_eager=self.enforce_eager,
+            # A group's prompt is computed once and its KV blocks shared by the n samples.
+            enable_prefix_caching=True,
         )
+        if self.sync_mode == "lora":
+            kwargs.update(enable_lora=True, max_lora_rank=self._lora_sync.max_lora_rank, max_loras=1)
+        return kwargs
 
     def _quantization(self) -> str | None:
         if not is_bitsandbytes_available():
@@ -87,8 +129,23 @@ class ColocatedVLLMGeneration(VLLMGeneration):
                 "on CPU-only machines."
             )
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         accelerator = self.accelerator
+        self.sleep_supported = current_platform.is_sleep_mode_available()
+        if self.enable_sleep_mode and not self.sleep_supported:
+            logger.warning(
+                "vLLM has no sleep mode on this platform (%s): the sleep/wake lifecycle runs with the vLLM calls "
+                "skipped, so the engine keeps its memory between rollouts.",
+                current_platform.device_name,
+            )
+        self.sync_mode, why_not_lora = choose_sync_mode(self.model, self.requested_sync_mode)
+        if self.sync_mode == "full" and why_not_lora and is_peft_model(self.model):
+            logger.warning("LoRA-only weight sync is off (%s): merged full weights are sent instead.", why_not_lora)
+        self.sleep_level = self._resolve_sleep_level()
+        if self.sync_mode == "lora":
+            self._lora_sync = LoRAAdapterSync(self.model, self._dist.gather_params, self._engine_torch_dtype())
+
         if accelerator.num_processes % self.tensor_parallel_size != 0:
             raise ValueError(
                 f"vllm_tensor_parallel_size ({self.tensor_parallel_size}) must divide the number of processes "
@@ -109,22 +166,201 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         ensure_master_addr_port()
 
         self.llm = LLM(**self.llm_kwargs())
+        self.lifecycle = EngineLifecycle(
+            self.llm,
+            sleep_level=self.sleep_level,
+            enabled=self.sleep_supported and self.enable_sleep_mode,
+            start_asleep=False,
+        )
         if self.enable_sleep_mode:
-            self.llm.sleep(level=2)
-        self._llm_weights_sleeping = self.enable_sleep_mode
+            # The engine loaded the checkpoint; nothing generates before the first sync, so hand the memory back.
+            self.lifecycle.sleep()
+        self._llm_weights_sleeping = self.lifecycle.weights_discarded
         # Keep ranks together after the (uneven) engine start-up; DeepSpeed hangs otherwise.
         accelerator.wait_for_everyone()
 
+    def _resolve_sleep_level(self) -> int:
+        level = self.requested_sleep_level
+        if level in ("auto", None):
+            # LoRA-only: the base never changes, so keep it in host RAM (level 1) and never re-send it.
+            return 1 if self.sync_mode == "lora" else 2
+        level = int(level)
+        if level not in (1, 2):
+            raise ValueError(f"vllm_sleep_level must be 'auto', 1 or 2, got {self.requested_sleep_level!r}.")
+        return level
+
+    def _engine_torch_dtype(self) -> torch.dtype:
+        if self.dtype in _DTYPES:
+            return _DTYPES[self.dtype]
+        if hasattr(self, "llm"):
+            return self.llm.llm_engine.model_config.dtype
+        # "auto" before the engine exists: vLLM follows the checkpoint's dtype (bf16 on CPU for fp32 checkpoints).
+        return torch.bfloat16 if running_on_cpu_only() else getattr(self.model.config, "dtype", torch.bfloat16)
+
+    # ------------------------------------------------------------------ weight sync
+
     def sync_weights(self) -> None:
-        if not needs_layerwise_reload():
-            super().sync_weights()
-            return
-        if self.enable_sleep_mode:
-            self.llm.wake_up(tags=["weights"])
-            self._llm_weights_sleeping = False
+        """Wake the weights and bring them up to date with the trainer's policy."""
+        start = time.perf_counter()
+        base_discarded = self.lifecycle.weights_discarded
+        self.lifecycle.wake_weights()
+        if self.sync_mode == "lora":
+            if base_discarded:  # level-2 sleep dropped the base too: refill it (unmerged) before the adapter
+                if self._tied_aliases is None:
+                    self._tied_aliases = tied_weight_aliases(self.model)
+                self._push_weights(with_tied_aliases(self._lora_sync.base_weights(), self._tied_aliases))
+            sent = self._lora_sync.write_adapter()
+            self._lora_request = self._lora_sync.request()
+        else:
+            counter: dict[str, int] = {}
+            self._push_weights(self._full_weights(counter))
+            sent = counter.get("bytes", 0)
+        self._llm_weights_sleeping = False
+        self._metrics["sync/seconds"] = time.perf_counter() - start
+        self._metrics["sync/bytes"] = float(sent)
+        self._metrics["sync/lora_only"] = float(self.sync_mode == "lora")
+
+    def _full_weights(self, counter: dict[str, int]):
         if self._tied_aliases is None:
             self._tied_aliases = tied_weight_aliases(self.model)
+        dtype = self._engine_torch_dtype()
+        if is_peft_model(self.model) or self._dist.is_fsdp:
+            # Merging an adapter needs the whole layer gathered, and FSDP gathers module by module: TRL's iterator.
+            def weights():
+                for name, tensor in self._iter_named_params():
+                    tensor = tensor.to(dtype)
+                    counter["bytes"] = counter.get("bytes", 0) + tensor.numel() * tensor.element_size()
+                    yield name, tensor
+
+            named = weights()
+        else:
+            params = [(self._fix_param_name_to_vllm(n), p) for n, p in self.model.named_parameters()]
+            named = full_weight_stream(params, self._dist.gather_params, dtype, self.sync_bucket_bytes, counter)
+        return with_tied_aliases(named, self._tied_aliases)
+
+    def _push_weights(self, named_weights) -> None:
         worker = self.llm.llm_engine.model_executor.driver_worker
-        # Every process iterates: gathering a ZeRO-3/FSDP parameter is a collective.
-        reload_weights_in_place(worker, with_tied_aliases(self._iter_named_params(), self._tied_aliases))
-        self.llm.reset_prefix_cache()
+        if needs_layerwise_reload():
+            reload_weights_in_place(worker, named_weights)
+        else:
+            worker.model_runner.model.load_weights(named_weights)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        """TRL's colocate ``generate`` contract: per row, (prompt_ids, completion_ids, logprobs, logprob_token_ids)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        profiler = profiler or nullcontext()
+        memory_before = _device_memory()
+        if self.lifecycle.state is self.lifecycle.state.ASLEEP:
+            self.sync_weights()  # slept since the last sync: weights to wake (level 1) or to refill (level 2)
+        self.lifecycle.wake_kv_cache()
+
+        sampling = {
+            "repetition_penalty": self.repetition_penalty,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "max_tokens": self.max_completion_length,
+            "logprobs": self.logprobs,
+        }
+        sampling.update(self.generation_kwargs)
+        if self.structured_outputs_regex is not None:
+            sampling["structured_outputs"] = StructuredOutputsParams(regex=self.structured_outputs_regex)
+        elif isinstance(structured := sampling.get("structured_outputs"), dict):
+            sampling["structured_outputs"] = StructuredOutputsParams(**structured)
+
+        if self.tensor_parallel_size > 1:
+            local_size = len(prompts)
+            gathered = [None] * self.tensor_parallel_size
+            torch.distributed.all_gather_object(gathered, prompts, group=self.tp_group)
+            all_prompts = [p for chunk in gathered for p in chunk]
+            gathered_images = [None] * self.tensor_parallel_size
+            local_images = images if images is not None else [None] * len(prompts)
+            torch.distributed.all_gather_object(gathered_images, local_images, group=self.tp_group)
+            all_images = [img for chunk in gathered_images for img in chunk]
+            if all(img is None for img in all_images):
+                all_images = None
+        else:
+            all_prompts, all_images = prompts, images
+
+        runs = collapse_runs(all_prompts, all_images)
+        requests, params = [], []
+        for first, count in runs:
+            request = {"prompt_token_ids": list(all_prompts[first])}
+            if all_images is not None and all_images[first] is not None:
+                image = all_images[first]
+                request["multi_modal_data"] = {"image": image if len(image) > 1 else image[0]}
+            requests.append(request)
+            params.append(SamplingParams(n=count, **sampling))
+
+        if is_peft_model(self.model) and self.tensor_parallel_size > 1:
+            # Let the small LoRA all-reduce drain before vLLM's own collectives (TRL issue 3671).
+            torch.distributed.barrier(device_ids=[self.accelerator.local_process_index])
+
+        self.lifecycle.begin_generation()
+        start = time.perf_counter()
+        with profiler:
+            outputs = self.llm.generate(
+                requests, sampling_params=params, lora_request=self._lora_request, use_tqdm=False
+            )
+        generation_seconds = time.perf_counter() - start
+        memory_awake = _device_memory()
+        self.lifecycle.end_generation(sleep=self.enable_sleep_mode)
+        self._llm_weights_sleeping = self.lifecycle.weights_discarded
+
+        samples = expand_outputs(runs, [list(o.outputs) for o in outputs])
+        prompt_ids = expand_outputs(runs, [[o.prompt_token_ids] * len(o.outputs) for o in outputs])
+        completion_ids = [sample.token_ids for sample in samples]
+        logprobs, logprob_token_ids = extract_logprobs(_as_single_outputs(samples))
+        if self.tensor_parallel_size > 1:
+            rank_in_group = torch.distributed.get_rank(group=self.tp_group)
+            keep = slice(rank_in_group * local_size, (rank_in_group + 1) * local_size)
+            prompt_ids, completion_ids = prompt_ids[keep], completion_ids[keep]
+            logprobs = logprobs[keep] if logprobs is not None else None
+            logprob_token_ids = logprob_token_ids[keep] if logprob_token_ids is not None else None
+
+        tokens = sum(len(ids) for ids in completion_ids)
+        self._metrics.update(
+            {
+                "generation/seconds": generation_seconds,
+                "generation/tokens_per_second": tokens / max(generation_seconds, 1e-9),
+                "generation/unique_prompts": float(len(runs)),
+                "lifecycle/wake_weights_seconds": self.lifecycle.timings.get("wake_weights", 0.0),
+                "lifecycle/wake_kv_cache_seconds": self.lifecycle.timings.get("wake_kv_cache", 0.0),
+                "lifecycle/sleep_seconds": self.lifecycle.timings.get("sleep", 0.0),
+            }
+        )
+        if memory_before is not None:
+            self._metrics["memory/device_gib_before_generation"] = memory_before
+            self._metrics["memory/device_gib_during_generation"] = memory_awake
+            self._metrics["memory/device_gib_after_sleep"] = _device_memory()
+        return prompt_ids, completion_ids, logprobs, logprob_token_ids
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Metrics of the rounds since the last call (the trainer logs them through TRL's metric path)."""
+        metrics, self._metrics = self._metrics, {}
+        return metrics
+
+
+class _SingleOutput:
+    """Adapter so TRL's ``extract_logprobs`` (which walks ``request.outputs``) reads one sample per row."""
+
+    __slots__ = ("outputs",)
+
+    def __init__(self, sample):
+        self.outputs = [sample]
+
+
+def _as_single_outputs(samples):
+    return [_SingleOutput(sample) for sample in samples]
+
+
+def _device_memory() -> float | None:
+    """GiB allocated on the current CUDA device, or None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.memory_allocated() / 2**30

@@ -24,6 +24,16 @@ class GRPOConfig(TRLGRPOConfig):
         Weight dtype of the colocated vLLM engine: `"auto"` leaves it to vLLM (TRL's behaviour; vLLM then loads an
         fp32 checkpoint in bf16 on CPU), `"trainer"` uses the trainer's compute dtype (bf16/fp16 flags, else
         fp32), or an explicit `"bfloat16"`, `"float16"`, `"float32"`.
+    vllm_sync_mode (`str`, *optional*, defaults to `"auto"`):
+        How weights reach the colocated engine: `"lora"` sends only the LoRA adapter (vLLM serves it), `"full"` sends
+        every (merged) weight, `"auto"` picks `"lora"` when vLLM can serve the policy's adapter.
+    vllm_sleep_level (`str`, *optional*, defaults to `"auto"`):
+        Sleep level when `vllm_enable_sleep_mode`: 1 keeps the weights in host RAM, 2 discards them; `"auto"`: 1 with
+        LoRA-only sync, 2 with full sync.
+    vllm_sync_bucket_mb (`float`, *optional*, defaults to `256`):
+        A full sync gathers and pushes this many MB of parameters at a time.
+    offload_optimizer_during_generation (`bool`, *optional*, defaults to `False`):
+        Move optimizer states to host memory while vLLM generates and back before the optimizer step.
     optim_preset (`str` or `None`, *optional*, defaults to `None`):
         Optimizer hyperparameters tuned for RL (`"grpo"`, `"grpo_lora"`, `"ppo_policy"`, `"ppo_critic"`, `"dpo"`;
         see `trlx_scale.optim.presets`). Fills only the optimizer fields left at their defaults.
@@ -60,6 +70,35 @@ class GRPOConfig(TRLGRPOConfig):
         },
     )
 
+    vllm_sync_mode: str = field(
+        default="auto",
+        metadata={
+            "help": "How weights reach the colocated vLLM engine: 'lora' (only the LoRA adapter; vLLM serves it), "
+            "'full' (every weight, merged), or 'auto' ('lora' when vLLM can serve the policy's adapter, else "
+            "'full', with the reason logged once).",
+            "choices": ["auto", "lora", "full"],
+        },
+    )
+    vllm_sleep_level: str = field(
+        default="auto",
+        metadata={
+            "help": "Sleep level of the colocated engine when vllm_enable_sleep_mode is on: '1' keeps its weights in "
+            "host RAM, '2' discards them (all weights re-sent after waking); 'auto' = 1 with LoRA-only sync, 2 with "
+            "full sync.",
+            "choices": ["auto", "1", "2"],
+        },
+    )
+    vllm_sync_bucket_mb: float = field(
+        default=256.0,
+        metadata={"help": "A full weight sync gathers (ZeRO-3/FSDP) and pushes this many MB of parameters at a time."},
+    )
+    offload_optimizer_during_generation: bool = field(
+        default=False,
+        metadata={
+            "help": "Move optimizer states (Adam moments) to host memory while vLLM generates and back before the "
+            "optimizer step, to give the engine that memory. Nothing moves on CPU-only machines."
+        },
+    )
     optim_preset: str | None = field(
         default=None,
         metadata={
@@ -98,6 +137,12 @@ class GRPOConfig(TRLGRPOConfig):
         if self.optim_preset is not None:
             self.optim_preset_values = apply_preset(self, get_preset(self.optim_preset))
         super().__post_init__()
+        self.vllm_sleep_level = str(self.vllm_sleep_level)
+        for name, allowed in (("vllm_sync_mode", ("auto", "lora", "full")), ("vllm_sleep_level", ("auto", "1", "2"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+        if self.vllm_sync_bucket_mb <= 0:
+            raise ValueError(f"vllm_sync_bucket_mb must be positive, got {self.vllm_sync_bucket_mb}.")
         allowed_dtypes = ("auto", "trainer", "bfloat16", "float16", "float32")
         if self.vllm_dtype not in allowed_dtypes:
             raise ValueError(f"vllm_dtype must be one of {allowed_dtypes}, got {self.vllm_dtype!r}.")

@@ -14,6 +14,7 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 
 from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
+from ..generation.optimizer_offload import OptimizerStateOffloader
 from ..optim.master_weights import FP32MasterAdamW, cast_for_master_weights
 from ..optim.presets import describe, get_preset
 from .grpo_config import GRPOConfig
@@ -177,4 +178,40 @@ class GRPOTrainer(TRLGRPOTrainer):
             generation_kwargs=args.generation_kwargs,
             dtype=engine_dtype,
             enforce_eager=getattr(args, "vllm_enforce_eager", None),
+            sync_mode=getattr(args, "vllm_sync_mode", "auto"),
+            sleep_level=getattr(args, "vllm_sleep_level", "auto"),
+            sync_bucket_mb=getattr(args, "vllm_sync_bucket_mb", 256.0),
         )
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        offloader = None
+        if getattr(self.args, "offload_optimizer_during_generation", False) and self.optimizer is not None:
+            offloader = OptimizerStateOffloader(self.optimizer)
+            offloaded = offloader.offload()
+        try:
+            result = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
+            )
+        finally:
+            if offloader is not None:
+                offloader.reload()  # before the loss and the optimizer step
+        mode = "train" if self.model.training else "eval"
+        if offloader is not None:
+            self._metrics[mode]["memory/optimizer_offloaded_gib"].append(offloaded / 2**30)
+        if isinstance(getattr(self, "vllm_generation", None), ColocatedVLLMGeneration):
+            for name, value in self.vllm_generation.pop_metrics().items():
+                self._metrics[mode][name].append(value)
+        return result
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # The gap between vLLM's and the trainer's log-probs of the sampled tokens, right after a sync: TRL measures
+        # it (as the importance-sampling diagnostic) whenever it computes the trainer's log-probs; it is exposed
+        # under sync/ as the staleness check. Numerical noise when the engine is in sync; large when it is stale.
+        mode = "train" if self.model.training else "eval"
+        for source, target in (
+            ("sampling/sampling_logp_difference/mean", "sync/logprob_gap_mean"),
+            ("sampling/sampling_logp_difference/max", "sync/logprob_gap_max"),
+        ):
+            if self._metrics[mode].get(source):
+                self._metrics[mode][target] = list(self._metrics[mode][source])
+        super().log(logs, start_time)

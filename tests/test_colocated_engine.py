@@ -1,0 +1,98 @@
+"""The colocated engine inside GRPOTrainer: LoRA-only sync, sleep/wake lifecycle on CPU, group generation,
+metrics, and a staleness check that fails when a sync is skipped."""
+
+import logging
+
+import pytest
+from peft import LoraConfig
+
+from trlx_scale import GRPOConfig, GRPOTrainer, addition_dataset, exact_match_reward
+
+LORA = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+
+
+def _trainer(default_model_dir, tmp_path, peft_config=None, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=5,
+        max_steps=3,
+        learning_rate=5e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        seed=11,
+        disable_tqdm=True,
+        use_vllm=True,
+        vllm_dtype="trainer",
+    )
+    values.update(overrides)
+    return GRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=exact_match_reward,
+        args=GRPOConfig(**values),
+        train_dataset=addition_dataset("train", size=64),
+        peft_config=peft_config,
+    )
+
+
+def _logged(trainer, key):
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def test_lora_only_sync_sends_the_adapter_and_stays_in_sync(default_model_dir, tmp_path):
+    trainer = _trainer(default_model_dir, tmp_path, peft_config=LORA)
+    engine = trainer.vllm_generation
+    assert engine.sync_mode == "lora" and engine.sleep_level == 1
+    assert engine.llm.llm_engine.vllm_config.lora_config is not None
+    trainer.train()
+    adapter_bytes = 4 * sum(p.numel() for n, p in trainer.model.named_parameters() if "lora_" in n)
+    model_bytes = 4 * sum(p.numel() for n, p in trainer.model.named_parameters() if "lora_" not in n)
+    assert _logged(trainer, "sync/bytes") == [adapter_bytes] * 3
+    assert adapter_bytes < model_bytes / 4
+    assert max(_logged(trainer, "sync/logprob_gap_max")) < 1e-3
+    for key in ("sync/seconds", "generation/tokens_per_second", "lifecycle/sleep_seconds"):
+        assert len(_logged(trainer, key)) == 3, key
+    # 8 rows = 2 prompts x 4 samples: two requests with n=4.
+    assert _logged(trainer, "generation/unique_prompts") == [2.0] * 3
+
+
+def test_full_sync_of_a_merged_lora_policy_also_stays_in_sync(default_model_dir, tmp_path):
+    trainer = _trainer(default_model_dir, tmp_path, peft_config=LORA, vllm_sync_mode="full")
+    assert trainer.vllm_generation.sync_mode == "full" and trainer.vllm_generation.sleep_level == 2
+    trainer.train()
+    assert max(_logged(trainer, "sync/logprob_gap_max")) < 1e-3
+    assert _logged(trainer, "sync/lora_only") == [0.0] * 3
+
+
+@pytest.mark.parametrize(("use_peft", "level"), [(True, "2"), (False, "auto")], ids=["lora-level2", "full-auto"])
+def test_sleep_mode_on_cpu_runs_the_lifecycle_and_warns_once(default_model_dir, tmp_path, caplog, use_peft, level):
+    with caplog.at_level(logging.WARNING, logger="trlx_scale.generation.colocated_generation"):
+        trainer = _trainer(
+            default_model_dir,
+            tmp_path,
+            peft_config=LORA if use_peft else None,
+            vllm_enable_sleep_mode=True,
+            vllm_sleep_level=level,
+        )
+    assert sum("no sleep mode on this platform" in r.message for r in caplog.records) == 1
+    lifecycle = trainer.vllm_generation.lifecycle
+    assert lifecycle.sleep_level == 2 and not lifecycle.enabled
+    trainer.train()
+    round_ = ["wake_weights", "wake_kv_cache", "reset_prefix_cache", "sleep"]
+    assert lifecycle.transitions == ["sleep"] + round_ * 3
+    # Level 2 discards the weights at every sleep, so every round re-sends them, and the engine stays in sync.
+    assert max(_logged(trainer, "sync/logprob_gap_max")) < 1e-3
+
+
+def test_a_skipped_sync_shows_as_a_large_gap(default_model_dir, tmp_path):
+    """The staleness check can fail: an engine that is never updated drifts away from the policy."""
+    trainer = _trainer(default_model_dir, tmp_path, max_steps=4, learning_rate=2e-2)
+    engine = trainer.vllm_generation
+    engine.sync_weights = engine.lifecycle.wake_weights  # test only: wake as usual, push nothing
+    trainer.train()
+    gaps = _logged(trainer, "sync/logprob_gap_max")
+    assert gaps[0] < 1e-3  # step 0: the engine still holds the initial weights, which are the policy's
+    assert max(gaps[1:]) > 0.05, gaps

@@ -1,0 +1,183 @@
+"""Moving the policy's weights into the colocated vLLM engine.
+
+Two strategies:
+
+- LoRA-only (``LoRAAdapterSync``): when the policy is a PEFT LoRA model vLLM serves the adapter itself
+  (``enable_lora``), so each update sends only the adapter tensors (a few MB instead of the whole model). They are
+  written to a RAM-backed directory (``/dev/shm``) and loaded into one fixed adapter slot with
+  ``LoRARequest(..., load_inplace=True)``, as verl does with its fixed adapter id. Under ZeRO-3/FSDP only the LoRA
+  parameters are gathered.
+- Full (``full_weight_stream``): every weight, cast to the engine dtype, streamed in buckets; under ZeRO-3 each
+  bucket is gathered, pushed, and released before the next, so the full model is never materialised at once.
+
+``choose_sync_mode`` decides, and says why when LoRA-only is impossible (vLLM cannot serve DoRA, ``modules_to_save``,
+LoRA on embeddings or the LM head, or ranks above 512).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# vLLM's LoRA kernels are compiled for these maximum ranks (vllm.config.lora.MaxLoRARanks).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LORA_ADAPTER_NAME = "trlx_scale_policy"
+LORA_ADAPTER_ID = 1  # one fixed slot, replaced in place on every update
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def vllm_max_lora_rank(rank: int) -> int | None:
+    """The smallest rank vLLM is compiled for that fits ``rank``, or None when none does."""
+    return next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), None)
+
+
+def lora_ineligibility(model: torch.nn.Module) -> str | None:
+    """Why vLLM cannot serve this policy's adapter directly, or None when it can."""
+    if not is_peft_model(model):
+        return "the policy is not a PEFT model"
+    config = model.peft_config[model.active_adapter]
+    if str(getattr(config, "peft_type", "")).split(".")[-1] != "LORA":
+        return f"the adapter is {config.peft_type}, not LoRA"
+    if getattr(config, "use_dora", False):
+        return "DoRA adapters are not supported by vLLM"
+    if getattr(config, "modules_to_save", None):
+        return f"modules_to_save={config.modules_to_save} (fully trained modules) are not LoRA weights"
+    ranks = [config.r, *(getattr(config, "rank_pattern", None) or {}).values()]
+    if vllm_max_lora_rank(max(ranks)) is None:
+        return f"LoRA rank {max(ranks)} exceeds vLLM's largest supported rank {VLLM_MAX_LORA_RANKS[-1]}"
+    base = model.get_base_model()
+    output_embeddings = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    for name, module in base.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        base_layer = getattr(module, "base_layer", module)
+        if isinstance(base_layer, torch.nn.Embedding) or name.endswith("embed_tokens"):
+            return f"LoRA on the embeddings ({name}) cannot be served by vLLM"
+        if base_layer is output_embeddings or name.endswith("lm_head"):
+            return f"LoRA on the LM head ({name}) cannot be served by vLLM"
+    return None
+
+
+def choose_sync_mode(model: torch.nn.Module, requested: str) -> tuple[str, str | None]:
+    """("lora" | "full", reason LoRA-only is off or None). ``requested`` is "auto", "lora" or "full"."""
+    if requested not in ("auto", "lora", "full"):
+        raise ValueError(f"vllm_sync_mode must be 'auto', 'lora' or 'full', got {requested!r}.")
+    if requested == "full":
+        return "full", "vllm_sync_mode='full' was requested"
+    reason = lora_ineligibility(model)
+    if reason is None:
+        return "lora", None
+    if requested == "lora":
+        raise ValueError(f"vllm_sync_mode='lora' is impossible: {reason}. Use vllm_sync_mode='auto' or 'full'.")
+    return "full", reason
+
+
+def ram_backed_directory(prefix: str) -> str:
+    """A private directory in RAM (``/dev/shm``) when available, so adapter updates never wait on a disk."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    if root is None:
+        logger.warning("No writable /dev/shm: LoRA adapters are exchanged through %s.", tempfile.gettempdir())
+    return tempfile.mkdtemp(prefix=prefix, dir=root)
+
+
+def _atomic_write(path: str, write) -> None:
+    temporary = f"{path}.tmp"
+    write(temporary)
+    os.replace(temporary, path)
+
+
+class LoRAAdapterSync:
+    """Sends a PEFT model's active LoRA adapter to vLLM's fixed adapter slot."""
+
+    def __init__(self, model: torch.nn.Module, gather_params, dtype: torch.dtype):
+        from peft import get_peft_model_state_dict  # noqa: F401  (fail early if peft is missing)
+
+        self.model = model
+        self.adapter = model.active_adapter
+        self.config = model.peft_config[self.adapter]
+        self.gather_params = gather_params  # context manager over a list of parameters (ZeRO-3 / FSDP gather)
+        self.dtype = dtype
+        self.directory = ram_backed_directory(prefix=f"trlx_scale_lora_{os.getpid()}_")
+        self.max_lora_rank = vllm_max_lora_rank(max([self.config.r, *(self.config.rank_pattern or {}).values()]))
+
+    def lora_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for name, p in self.model.named_parameters() if "lora_" in name and f".{self.adapter}." in name]
+
+    def write_adapter(self) -> int:
+        """Write the current adapter (engine dtype) into the RAM directory; returns the bytes written."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        with torch.no_grad(), self.gather_params(self.lora_parameters()):
+            state = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
+            tensors = {name: t.detach().to("cpu", self.dtype).contiguous() for name, t in state.items()}
+        config = self.config.to_dict()
+        config["base_model_name_or_path"] = self.model.get_base_model().name_or_path
+        config["inference_mode"] = True
+        _atomic_write(os.path.join(self.directory, "adapter_config.json"), lambda p: _write_json(p, config))
+        _atomic_write(os.path.join(self.directory, "adapter_model.safetensors"), lambda p: save_file(tensors, p))
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def request(self):
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(LORA_ADAPTER_NAME, LORA_ADAPTER_ID, self.directory, load_inplace=True)
+
+    def base_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The frozen base in vLLM's names (no adapter merged), for re-filling an engine that discarded its weights."""
+        for name, param in self.model.named_parameters():
+            if "lora_" in name:
+                continue
+            with torch.no_grad(), self.gather_params([param]):
+                yield name.removeprefix("base_model.model.").replace(".base_layer", ""), param.detach().to(self.dtype)
+
+
+def _write_json(path: str, payload: dict[str, Any]) -> None:
+    with open(path, "w") as handle:
+        json.dump(payload, handle, default=str)
+
+
+def full_weight_stream(
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    gather_params,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    counter: dict[str, int] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor in dtype)`` for every parameter, gathering ``bucket_bytes`` worth at a time.
+
+    The consumer must use each tensor before asking for the next bucket (vLLM's loader copies it in): under ZeRO-3
+    the bucket is released when the generator moves on. ``counter["bytes"]`` accumulates what was sent.
+    """
+    bucket: list[tuple[str, torch.nn.Parameter]] = []
+    size = 0
+
+    def flush():
+        with torch.no_grad(), gather_params([p for _, p in bucket]):
+            for name, param in bucket:
+                tensor = param.detach().to(dtype)
+                if counter is not None:
+                    counter["bytes"] = counter.get("bytes", 0) + tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+    for name, param in named_params:
+        # ZeRO-3 partitions report their full size in ds_numel; plain tensors in numel().
+        numel = getattr(param, "ds_numel", param.numel())
+        bucket.append((name, param))
+        size += numel * dtype.itemsize
+        if size >= bucket_bytes:
+            yield from flush()
+            bucket, size = [], 0
+    if bucket:
+        yield from flush()
