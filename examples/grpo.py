@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from datasets import load_dataset  # noqa: E402
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config  # noqa: E402
+from trl.models import unwrap_model_for_generation  # noqa: E402
 
 from trlx_scale import GRPOConfig, GRPOTrainer, addition_dataset, default_model_path, exact_match_reward  # noqa: E402
 from trlx_scale.evaluation import exact_match_accuracy  # noqa: E402
@@ -92,9 +93,11 @@ def example_defaults(argv: list[str]) -> dict:
         # CPU: fp32 compute, and under a multi-process launcher the gloo process group (DeepSpeed ZeRO-3 included).
         defaults["bf16"] = False
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # Without use_cpu, Accelerate sees no accelerator and treats the processes as independent (its
-            # gathers become no-ops); with it, they form one gloo process group (DistributedType.MULTI_CPU).
-            defaults.update(use_cpu=True, ddp_backend="gloo")
+            defaults["ddp_backend"] = "gloo"  # the process group that runs on CPU (DeepSpeed included)
+            if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+                # Without use_cpu, Accelerate sees no accelerator and treats the processes as independent (its
+                # gathers become no-ops); with it, they form one gloo process group (DistributedType.MULTI_CPU).
+                defaults["use_cpu"] = True
     return defaults
 
 
@@ -152,13 +155,15 @@ def main(argv: list[str] | None = None) -> dict:
     def accuracy() -> float | None:
         if not script_args.eval_size:
             return None
-        return exact_match_accuracy(
-            trainer.model,
-            trainer.processing_class,
-            held_out["prompt"],
-            held_out[answer_column],
-            max_new_tokens=script_args.eval_max_new_tokens,
-        )
+        # Under ZeRO-3 the weights are partitioned: every process gathers them for generation (a collective).
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+            return exact_match_accuracy(
+                model,
+                trainer.processing_class,
+                held_out["prompt"],
+                held_out[answer_column],
+                max_new_tokens=script_args.eval_max_new_tokens,
+            )
 
     summary = RunSummary(model=model_args.model_name_or_path, world_size=trainer.accelerator.num_processes)
     summary.accuracy_before = accuracy()

@@ -17,6 +17,8 @@ class RunSummary:
     accuracy_after: float | None = None
     reward_first: float | None = None
     reward_last: float | None = None
+    sync_logprob_gap_max: float | None = None
+    sync_bytes_last: float | None = None
 
     def read_log_history(self, log_history: list[dict], global_step: int, reward_key: str = "reward") -> None:
         """Take the first and last logged mean reward from a Trainer's ``state.log_history``."""
@@ -24,6 +26,10 @@ class RunSummary:
         self.steps = global_step
         if rewards:
             self.reward_first, self.reward_last = rewards[0], rewards[-1]
+        gaps = [entry["sync/logprob_gap_max"] for entry in log_history if "sync/logprob_gap_max" in entry]
+        self.sync_logprob_gap_max = max(gaps) if gaps else None
+        sent = [entry["sync/bytes"] for entry in log_history if "sync/bytes" in entry]
+        self.sync_bytes_last = sent[-1] if sent else None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -53,5 +59,7 @@ class RunSummary:
         ]
         if self.accuracy_before is not None and self.accuracy_after is not None:
             lines.append(f"gain             {100 * (self.accuracy_after - self.accuracy_before):+.1f} points")
+        if self.sync_logprob_gap_max is not None:
+            lines.append(f"vLLM sync        max log-prob gap {self.sync_logprob_gap_max:.1e} (staleness check)")
         lines.append("=" * 60)
         return "\n".join(lines)

@@ -121,7 +121,7 @@ class LoRAAdapterSync:
 
         with torch.no_grad(), self.gather_params(self.lora_parameters()):
             state = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
-            tensors = {name: t.detach().to("cpu", self.dtype).contiguous() for name, t in state.items()}
+            tensors = {name: _unsharded(t).detach().to("cpu", self.dtype).contiguous() for name, t in state.items()}
         config = self.config.to_dict()
         config["base_model_name_or_path"] = self.model.get_base_model().name_or_path
         config["inference_mode"] = True
@@ -141,6 +141,13 @@ class LoRAAdapterSync:
                 continue
             with torch.no_grad(), self.gather_params([param]):
                 yield name.removeprefix("base_model.model.").replace(".base_layer", ""), param.detach().to(self.dtype)
+
+
+def _unsharded(tensor: torch.Tensor) -> torch.Tensor:
+    """FSDP2 shards parameters as DTensors: gather one (a collective: every rank calls it) into a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
