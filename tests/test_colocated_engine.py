@@ -6,40 +6,26 @@ import logging
 import pytest
 from peft import LoraConfig
 
-from trlx_scale import GRPOConfig, GRPOTrainer, addition_dataset, exact_match_reward
+from trlx_scale import GRPOTrainer, addition_dataset, exact_match_reward
+
+from .conftest import logged, small_grpo_config
 
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
 
 
 def _trainer(default_model_dir, tmp_path, peft_config=None, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=5,
-        max_steps=3,
-        learning_rate=5e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        bf16=False,
-        seed=11,
-        disable_tqdm=True,
-        use_vllm=True,
-        vllm_dtype="trainer",
-    )
+    values = dict(max_steps=3, learning_rate=5e-3, seed=11, use_vllm=True, vllm_dtype="trainer")
     values.update(overrides)
     return GRPOTrainer(
         model=default_model_dir,
         reward_funcs=exact_match_reward,
-        args=GRPOConfig(**values),
+        args=small_grpo_config(tmp_path / "out", **values),
         train_dataset=addition_dataset("train", size=64),
         peft_config=peft_config,
     )
 
 
-def _logged(trainer, key):
-    return [entry[key] for entry in trainer.state.log_history if key in entry]
+_logged = logged
 
 
 def test_lora_only_sync_sends_the_adapter_and_stays_in_sync(default_model_dir, tmp_path):

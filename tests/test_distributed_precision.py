@@ -2,27 +2,18 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from trlx_scale.optim.distributed_precision import deepspeed_zero3_config
 from trlx_scale.optim.presets import PRESETS
 
-from .conftest import REPO_ROOT
+from .conftest import REPO_ROOT, run_torchrun_report
 
 
 @pytest.mark.distributed
 def test_fsdp2_keeps_fp32_sharded_masters_with_bf16_compute(tmp_path):
-    report_path = tmp_path / "report.json"
-    script = os.path.join(REPO_ROOT, "tests", "distributed", "fsdp2_master_weights.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
-    result = subprocess.run(
-        [*command, script, str(report_path)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(report_path.read_text())
+    report = run_torchrun_report("fsdp2_master_weights.py", tmp_path / "report.json", port=29533)
     assert report["is_dtensor"] and report["sharded_dtypes"] == ["torch.float32"]
     assert report["local_rows"] == [32, 32]  # each rank holds half of each 64-row weight
     assert report["output_dtypes"] == ["torch.bfloat16"]

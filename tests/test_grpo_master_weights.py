@@ -5,27 +5,16 @@ import os
 import torch
 from transformers import TrainerCallback
 
-from trlx_scale import GRPOConfig, GRPOTrainer, addition_dataset, exact_match_reward
+from trlx_scale import GRPOTrainer, addition_dataset, exact_match_reward
 from trlx_scale.optim.master_weights import MASTER_KEY, FP32MasterAdamW
+
+from .conftest import small_grpo_config
 
 
 def _args(tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=5,
-        max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        bf16=False,
-        seed=3,
-        disable_tqdm=True,
-        save_strategy="no",
-        optim_preset="grpo",
-    )
+    values = dict(seed=3, optim_preset="grpo", output_dir=str(tmp_path / "out"))
     values.update(overrides)
-    return GRPOConfig(**values)
+    return small_grpo_config(values.pop("output_dir"), **values)
 
 
 class _CaptureMasters(TrainerCallback):

@@ -10,24 +10,11 @@ from trl.generation.vllm_generation import VLLMGeneration
 from trlx_scale import GRPOConfig, GRPOTrainer, addition_dataset, exact_match_reward
 from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
 
+from .conftest import logged, small_grpo_config
+
 
 def _small_args(config_cls, tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=5,
-        max_steps=2,
-        learning_rate=1e-4,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        bf16=False,
-        seed=7,
-        disable_tqdm=True,
-    )
-    values.update(overrides)
-    return config_cls(**values)
+    return small_grpo_config(tmp_path / "out", config_cls=config_cls, **overrides)
 
 
 def _engine_ids() -> set[int]:
@@ -37,8 +24,7 @@ def _engine_ids() -> set[int]:
     return {id(o) for o in gc.get_objects() if isinstance(o, VLLMGeneration)}
 
 
-def _logged(trainer, key):
-    return [entry[key] for entry in trainer.state.log_history if key in entry]
+_logged = logged
 
 
 def test_identical_to_trl_when_no_option_is_on(default_model_dir, tmp_path):
