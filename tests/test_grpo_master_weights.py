@@ -81,3 +81,17 @@ def test_trainer_checkpoint_restores_masters_bit_for_bit(default_model_dir, tmp_
     resumed.train(resume_from_checkpoint=checkpoint)
     assert capture.at_first_step is not None and len(capture.at_first_step) == len(saved)
     assert all(torch.equal(a, b) for a, b in zip(capture.at_first_step, saved, strict=True))
+
+
+def test_master_weights_refuse_a_user_optimizer(default_model, tmp_path):
+    import pytest
+
+    optimizer = torch.optim.AdamW(default_model.parameters(), lr=1e-6)
+    with pytest.raises(ValueError, match="fp32_master_weights builds its own optimizer"):
+        GRPOTrainer(
+            model=default_model,
+            reward_funcs=exact_match_reward,
+            args=_args(tmp_path),
+            train_dataset=addition_dataset("train", size=16),
+            optimizers=(optimizer, None),
+        )

@@ -1,7 +1,8 @@
 """``GRPOTrainer``: a drop-in subclass of ``trl.GRPOTrainer``.
 
-Same constructor, same behaviour, while no trlx_scale option is on; the systems features (colocated engine
-lifecycle, LoRA-only sync, GSPO, shared prefixes, optimizer presets) are wired in here from their components.
+Same constructor, same behaviour, while no trlx_scale option is on. The systems features live in components and
+are wired in here: the colocated vLLM engine (``trlx_scale.generation``: lifecycle, LoRA-only sync, grouped
+generation, metrics) and the optimizer presets with fp32 master weights (``trlx_scale.optim``).
 """
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ class GRPOTrainer(TRLGRPOTrainer):
             self.accelerator.print(describe(args.optim_preset_values, get_preset(args.optim_preset)))
         if not args.uses_fp32_master_weights:
             return
+        if self.optimizer is not None:
+            raise ValueError(
+                "fp32_master_weights builds its own optimizer (FP32MasterAdamW) but an optimizer was passed through "
+                "`optimizers=`; drop one of the two (set fp32_master_weights=False to keep yours)."
+            )
         if self.is_deepspeed_enabled:
             ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
             if not ds_config.get("bf16", {}).get("enabled", False):
