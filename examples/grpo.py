@@ -102,6 +102,15 @@ def example_defaults(argv: list[str]) -> dict:
     return defaults
 
 
+def resume_argument(value: str | None) -> str | bool | None:
+    """--resume_from_checkpoint: a checkpoint path, 'true'/'latest' for the newest one in output_dir, or off."""
+    if value is None or value.lower() in ("", "false", "none"):
+        return None
+    if value.lower() in ("true", "latest"):
+        return True
+    return value
+
+
 def load_data(script_args: GRPOScriptArguments, seed: int):
     """(train dataset, held-out dataset) with 'prompt' and the answer column."""
     if script_args.dataset_name is None:
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = RunSummary(model=model_args.model_name_or_path, world_size=trainer.accelerator.num_processes)
     summary.accuracy_before = accuracy()
     start = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_argument(training_args.resume_from_checkpoint))
     summary.train_seconds = time.perf_counter() - start
     summary.accuracy_after = accuracy()
     summary.read_log_history(trainer.state.log_history, trainer.state.global_step)

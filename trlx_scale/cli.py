@@ -1,0 +1,90 @@
+"""The ``trlx-scale`` command.
+
+trlx-scale accelerate-config --nodes 2 --gpus-per-node 8 --backend zero3 --output zero3_2x8.yaml
+trlx-scale accelerate-config --nodes 1 --gpus-per-node 4 --backend fsdp2 --vllm-tensor-parallel-size 3
+    -> error: vllm_tensor_parallel_size (3) must divide gpus_per_node (4) ...
+trlx-scale build-default-model --output /tmp/model
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .launch_config import BACKENDS, MAIN_NODE_IP_PLACEHOLDER, LaunchPlan
+
+
+def _accelerate_config(args: argparse.Namespace) -> int:
+    plan = LaunchPlan(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        backend=args.backend,
+        offload=args.offload,
+        vllm_tensor_parallel_size=args.vllm_tensor_parallel_size,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        num_generations=args.num_generations,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        main_process_ip=args.main_process_ip,
+        main_process_port=args.main_process_port,
+    )
+    try:
+        text = plan.to_yaml()
+    except ValueError as error:
+        print(f"trlx-scale: {error}", file=sys.stderr)
+        return 2
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        temporary = f"{args.output}.tmp-{os.getpid()}"
+        with open(temporary, "w") as handle:
+            handle.write(text)
+        os.replace(temporary, args.output)  # never a half-written config
+        print(f"wrote {args.output}: {plan.world_size} processes, {args.backend}", file=sys.stderr)
+    for note in plan.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return 0
+
+
+def _build_default_model(args: argparse.Namespace) -> int:
+    from .models.default_model import build_default_model
+
+    build_default_model(args.output, target_accuracy=args.target_accuracy, max_steps=args.max_steps)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trlx-scale", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    config = commands.add_parser("accelerate-config", help="write a checked Accelerate config for N nodes x G GPUs")
+    config.add_argument("--nodes", type=int, default=1, help="number of nodes (machines)")
+    config.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (= training processes) per node")
+    config.add_argument("--backend", choices=BACKENDS, default="ddp", help="data parallelism: ddp, fsdp2 or zero3")
+    config.add_argument("--offload", action="store_true", help="CPU offload (fsdp2: params; zero3: optimizer)")
+    config.add_argument("--vllm-tensor-parallel-size", type=int, default=1, help="GPUs per colocated vLLM engine")
+    config.add_argument("--per-device-train-batch-size", type=int, default=8, help="checked against the groups")
+    config.add_argument("--num-generations", type=int, default=8, help="completions per prompt (GRPO group size)")
+    config.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    config.add_argument("--main-process-ip", default=MAIN_NODE_IP_PLACEHOLDER, help="address of the rank-0 node")
+    config.add_argument("--main-process-port", type=int, default=29500)
+    config.add_argument("--output", default="-", help="file to write (atomically); '-' for standard output")
+    config.set_defaults(handler=_accelerate_config)
+
+    model = commands.add_parser("build-default-model", help="rebuild the embedded default model (~2-5 min on CPU)")
+    model.add_argument("--output", required=True)
+    model.add_argument("--target-accuracy", type=float, default=0.4)
+    model.add_argument("--max-steps", type=int, default=4000)
+    model.set_defaults(handler=_build_default_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
