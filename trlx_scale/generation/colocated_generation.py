@@ -39,7 +39,7 @@ from ..compat.vllm_weight_reload import (
 from .cpu_environment import running_on_cpu_only
 from .group_generation import collapse_runs, expand_outputs
 from .lifecycle import EngineLifecycle
-from .weight_sync import LoRAAdapterSync, choose_sync_mode, full_weight_stream, is_peft_model
+from .weight_sync import LoRAAdapterSync, choose_sync_mode, full_weight_stream, is_fsdp2_sharded, is_peft_model
 
 logger = logging.getLogger(__name__)
 
@@ -224,8 +224,9 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         if self._tied_aliases is None:
             self._tied_aliases = tied_weight_aliases(self.model)
         dtype = self._engine_torch_dtype()
-        if is_peft_model(self.model) or self._dist.is_fsdp:
-            # Merging an adapter needs the whole layer gathered, and FSDP gathers module by module: TRL's iterator.
+        if is_peft_model(self.model) or (self._dist.is_fsdp and not is_fsdp2_sharded(self.model)):
+            # Merging an adapter needs the whole layer gathered, and FSDP1 gathers module by module: TRL's iterator.
+            # Plain, ZeRO-3 (bucketed gathers) and FSDP2 (DTensor gathers) models stream through ours.
             def weights():
                 for name, tensor in self._iter_named_params():
                     tensor = tensor.to(dtype)

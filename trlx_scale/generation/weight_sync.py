@@ -37,6 +37,13 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def is_fsdp2_sharded(model: torch.nn.Module) -> bool:
+    """FSDP2 (``fully_shard``) replaces parameters by DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def vllm_max_lora_rank(rank: int) -> int | None:
     """The smallest rank vLLM is compiled for that fits ``rank``, or None when none does."""
     return next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), None)
@@ -165,7 +172,8 @@ def full_weight_stream(
     """Yield ``(name, tensor in dtype)`` for every parameter, gathering ``bucket_bytes`` worth at a time.
 
     The consumer must use each tensor before asking for the next bucket (vLLM's loader copies it in): under ZeRO-3
-    the bucket is released when the generator moves on. ``counter["bytes"]`` accumulates what was sent.
+    the bucket is released when the generator moves on. FSDP2 parameters (DTensors) are gathered one at a time.
+    ``counter["bytes"]`` accumulates what was sent.
     """
     bucket: list[tuple[str, torch.nn.Parameter]] = []
     size = 0
@@ -173,7 +181,7 @@ def full_weight_stream(
     def flush():
         with torch.no_grad(), gather_params([p for _, p in bucket]):
             for name, param in bucket:
-                tensor = param.detach().to(dtype)
+                tensor = _unsharded(param.detach()).to(dtype)
                 if counter is not None:
                     counter["bytes"] = counter.get("bytes", 0) + tensor.numel() * tensor.element_size()
                 yield name, tensor
