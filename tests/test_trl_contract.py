@@ -110,6 +110,14 @@ def test_trl_init_uses_use_vllm_only_where_we_replay_it():
     ], uses
     assert "self._last_loaded_step = -1" in source
     # The generation paths find the engine through these names.
+    loss_source = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    # GSPO-token relies on TRL's token branch being exactly this difference of the log-probs it got from
+    # _get_per_token_logps_and_entropies (see GRPOTrainer._compute_loss).
+    assert "per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(" in loss_source
+    assert "log_ratio = per_token_logps - old_per_token_logps" in loss_source
+    assert (
+        'if self.importance_sampling_level == "token":\n            log_importance_weights = log_ratio' in loss_source
+    )
     generation_source = inspect.getsource(trl.GRPOTrainer._generate_single_turn)
     assert "self.vllm_generation.sync_weights()" in generation_source
     assert "self._last_loaded_step" in generation_source

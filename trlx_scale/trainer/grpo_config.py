@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig as TRLGRPOConfig
 
+from ..losses.policy_losses import LEVELS
+from ..losses.recipes import LENGTH_WEIGHTED_LOSSES, RECIPES, apply_recipe
 from ..optim.presets import PRESETS, apply_preset, get_preset
 
 
@@ -34,6 +36,9 @@ class GRPOConfig(TRLGRPOConfig):
         A full sync gathers and pushes this many MB of parameters at a time.
     offload_optimizer_during_generation (`bool`, *optional*, defaults to `False`):
         Move optimizer states to host memory while vLLM generates and back before the optimizer step.
+    loss_recipe (`str` or `None`, *optional*, defaults to `None`):
+        `"gspo"`: sequence-level ratios clipped to [1 - 3e-4, 1 + 4e-4], per-sequence loss, no KL (fills only fields
+        left at their defaults). `importance_sampling_level` also accepts `"sequence_token"` (GSPO-token).
     optim_preset (`str` or `None`, *optional*, defaults to `None`):
         Optimizer hyperparameters tuned for RL (`"grpo"`, `"grpo_lora"`, `"ppo_policy"`, `"ppo_critic"`, `"dpo"`;
         see `trlx_scale.optim.presets`). Fills only the optimizer fields left at their defaults.
@@ -99,6 +104,16 @@ class GRPOConfig(TRLGRPOConfig):
             "optimizer step, to give the engine that memory. Nothing moves on CPU-only machines."
         },
     )
+    loss_recipe: str | None = field(
+        default=None,
+        metadata={
+            "help": "Loss recipe from a paper: 'gspo' (sequence-level importance ratios clipped to [1-3e-4, 1+4e-4], "
+            "loss averaged per sequence, beta 0). Fills only the fields left at their defaults. "
+            "importance_sampling_level also accepts 'sequence_token' (GSPO-token: the sequence ratio's value with "
+            "per-token gradients).",
+            "choices": [None, *sorted(RECIPES)],
+        },
+    )
     optim_preset: str | None = field(
         default=None,
         metadata={
@@ -133,6 +148,9 @@ class GRPOConfig(TRLGRPOConfig):
 
     def __post_init__(self) -> None:
         # Before TrainingArguments.__post_init__, which turns some of these fields into enums.
+        self.loss_recipe_values: dict | None = None
+        if self.loss_recipe is not None:
+            self.loss_recipe_values = apply_recipe(self, self.loss_recipe)
         self.optim_preset_values: dict | None = None
         if self.optim_preset is not None:
             self.optim_preset_values = apply_preset(self, get_preset(self.optim_preset))
@@ -143,6 +161,24 @@ class GRPOConfig(TRLGRPOConfig):
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
         if self.vllm_sync_bucket_mb <= 0:
             raise ValueError(f"vllm_sync_bucket_mb must be positive, got {self.vllm_sync_bucket_mb}.")
+        if self.importance_sampling_level not in LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {LEVELS}, got {self.importance_sampling_level!r}."
+            )
+        # ("sequence" with a length-weighted loss: TRL itself warns at trainer start, and its behaviour is kept.)
+        if self.importance_sampling_level == "sequence_token":
+            if self.loss_type in LENGTH_WEIGHTED_LOSSES:
+                raise ValueError(
+                    f"importance_sampling_level='sequence_token' with loss_type={self.loss_type!r} sums token terms, "
+                    "which weights every sequence by its length instead of optimizing the per-sequence objective. "
+                    "Set loss_type='grpo' (or loss_recipe='gspo')."
+                )
+            if self.beta != 0.0 or self.loss_type != "grpo" or self.off_policy_mask_threshold is not None:
+                raise ValueError(
+                    "importance_sampling_level='sequence_token' supports loss_type='grpo' with beta=0.0 and no "
+                    f"off_policy_mask_threshold (got loss_type={self.loss_type!r}, beta={self.beta}); use "
+                    "importance_sampling_level='sequence' for the others."
+                )
         allowed_dtypes = ("auto", "trainer", "bfloat16", "float16", "float32")
         if self.vllm_dtype not in allowed_dtypes:
             raise ValueError(f"vllm_dtype must be one of {allowed_dtypes}, got {self.vllm_dtype!r}.")

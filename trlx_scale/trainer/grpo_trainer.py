@@ -16,6 +16,7 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.optimizer_offload import OptimizerStateOffloader
+from ..losses.policy_losses import log_importance_weights
 from ..optim.master_weights import FP32MasterAdamW, cast_for_master_weights
 from ..optim.presets import describe, get_preset
 from .grpo_config import GRPOConfig
@@ -147,6 +148,68 @@ class GRPOTrainer(TRLGRPOTrainer):
                 eps=self.args.adam_epsilon,
             )
         return self.optimizer
+
+    def _compute_loss(self, model, inputs):
+        if self.importance_sampling_level != "sequence_token":
+            return super()._compute_loss(model, inputs)
+        # GSPO-token. TRL computes the importance weights inline as `per_token_logps - old_per_token_logps` (pinned by
+        # a contract test) with no hook, so TRL runs its "token" branch on shifted log-probs whose difference from
+        # the old ones is GSPO-token's log weight (losses.log_importance_weights). The config allows this level only
+        # with loss_type="grpo", beta=0 and no off-policy mask, where the log-probs feed nothing but that difference.
+        self._sequence_token_inputs = inputs
+        self.importance_sampling_level = "token"
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self.importance_sampling_level = "sequence_token"
+            self._sequence_token_inputs = None
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        pixel_values=None,
+        image_grid_thw=None,
+        num_images=None,
+        pixel_attention_mask=None,
+        spatial_shapes=None,
+        num_tiles=None,
+        image_sizes=None,
+        token_type_ids=None,
+        mm_token_type_ids=None,
+        image_position_ids=None,
+    ):
+        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            num_images=num_images,
+            pixel_attention_mask=pixel_attention_mask,
+            spatial_shapes=spatial_shapes,
+            num_tiles=num_tiles,
+            image_sizes=image_sizes,
+            token_type_ids=token_type_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_position_ids=image_position_ids,
+        )
+        inputs = getattr(self, "_sequence_token_inputs", None)
+        if inputs is None:
+            return logps, entropies, aux_loss
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        return old + log_importance_weights(logps, old, mask, "sequence_token"), entropies, aux_loss
 
     def _check_vllm_only_options(self) -> None:
         """The checks TRL's __init__ runs only when use_vllm is on (it saw it off); kept in step by a contract test."""
