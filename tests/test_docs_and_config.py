@@ -18,6 +18,13 @@ def test_configuration_reference_is_up_to_date():
     )
 
 
+def test_reference_does_not_depend_on_a_parser_having_run():
+    """HfArgumentParser rewrites dataclass Field.type in place when it builds a parser; the reference must not see it."""
+    TrlParser((GRPOConfig,))
+    with open(os.path.join(REPO_ROOT, "docs", "configuration.md")) as handle:
+        assert handle.read() == config_reference.render()
+
+
 def test_reference_lists_every_field():
     text = config_reference.render()
     import dataclasses

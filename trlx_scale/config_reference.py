@@ -18,6 +18,19 @@ from .trainer.grpo_config import GRPOConfig
 CONFIGS: list[tuple[type, type]] = [(GRPOConfig, trl.GRPOConfig)]
 
 
+def _declared_annotation(config_class: type, name: str) -> Any:
+    """The field's annotation as its class declared it.
+
+    Not ``dataclasses.Field.type``: HfArgumentParser rewrites that in place (``str | None`` becomes ``str``) when it
+    builds a parser, which would make this reference depend on what ran before it.
+    """
+    for klass in config_class.__mro__:
+        annotations = klass.__dict__.get("__annotations__", {})
+        if name in annotations:
+            return annotations[name]
+    raise KeyError(name)
+
+
 def _type_name(annotation: Any) -> str:
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
     return text.replace("typing.", "").replace("|", "\\|")
@@ -38,10 +51,11 @@ def _help(field: dataclasses.Field) -> str:
     return text.replace("|", "\\|")
 
 
-def _table(fields: list[dataclasses.Field]) -> list[str]:
+def _table(config_class: type, fields: list[dataclasses.Field]) -> list[str]:
     lines = ["| field | type | default | description |", "|---|---|---|---|"]
     for field in fields:
-        lines.append(f"| `{field.name}` | {_type_name(field.type)} | {_default(field)} | {_help(field)} |")
+        type_name = _type_name(_declared_annotation(config_class, field.name))
+        lines.append(f"| `{field.name}` | {type_name} | {_default(field)} | {_help(field)} |")
     return lines
 
 
@@ -64,11 +78,11 @@ def render() -> str:
             "",
             f"### Fields added by trlx_scale (off or neutral by default: then it behaves as `trl.{parent.__name__}`)",
             "",
-            *_table(added),
+            *_table(ours, added),
             "",
             f"### Fields inherited from `trl.{parent.__name__}` (TRL {trl.__version__}), unchanged",
             "",
-            *_table(inherited),
+            *_table(ours, inherited),
         ]
     return "\n".join(lines) + "\n"
 

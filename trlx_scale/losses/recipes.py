@@ -9,8 +9,9 @@ the same), and no KL penalty.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
+
+from ..config_defaults import fill_unset_fields
 
 RECIPES: dict[str, dict[str, Any]] = {
     "gspo": {
@@ -30,12 +31,4 @@ def apply_recipe(config: Any, name: str) -> dict[str, tuple[Any, str]]:
     """Fill ``config``'s fields still at their class default with the recipe; ``{field: (value, "recipe"|"user")}``."""
     if name not in RECIPES:
         raise ValueError(f"loss_recipe must be one of {sorted(RECIPES)}, got {name!r}.")
-    defaults = {f.name: f.default for f in dataclasses.fields(type(config))}
-    effective = {}
-    for field_name, value in RECIPES[name].items():
-        if getattr(config, field_name) == defaults[field_name]:
-            setattr(config, field_name, value)
-            effective[field_name] = (value, "recipe")
-        else:
-            effective[field_name] = (getattr(config, field_name), "user")
-    return effective
+    return fill_unset_fields(config, RECIPES[name], source="recipe")

@@ -10,9 +10,10 @@ the config class's default), and the trainer logs the effective values at start.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from ..config_defaults import fill_unset_fields
 
 
 @dataclass(frozen=True)
@@ -85,15 +86,7 @@ def apply_preset(config: Any, preset: OptimizerPreset) -> dict[str, tuple[Any, s
 
     Returns ``{field: (effective value, "preset" | "user")}`` for the log line the trainer prints.
     """
-    defaults = {f.name: f.default for f in dataclasses.fields(type(config))}
-    effective = {}
-    for name, value in preset.training_arguments().items():
-        if getattr(config, name) == defaults[name]:
-            setattr(config, name, value)
-            effective[name] = (value, "preset")
-        else:
-            effective[name] = (getattr(config, name), "user")
-    return effective
+    return fill_unset_fields(config, preset.training_arguments(), source="preset")
 
 
 def describe(effective: dict[str, tuple[Any, str]], preset: OptimizerPreset) -> str:
