@@ -1,12 +1,12 @@
 """Run under torchrun (2 processes, gloo, CPU): a full (non-PEFT) policy sharded with FSDP2 streams to vLLM exactly
 the unsharded weights, gathered parameter by parameter. Writes a JSON report from rank 0."""
 
-import json
 import sys
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from report import finish  # tests/distributed/report.py (the script's folder)
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
@@ -39,10 +39,7 @@ def main(report_path: str) -> None:
         "bytes": counter["bytes"],
         "expected_bytes": sum(p.numel() * 2 for p in expected.values()),
     }
-    if dist.get_rank() == 0:
-        with open(report_path, "w") as handle:
-            json.dump(report, handle)
-    dist.destroy_process_group()
+    finish(report, report_path)
 
 
 if __name__ == "__main__":

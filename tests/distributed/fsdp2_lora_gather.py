@@ -1,13 +1,13 @@
 """Run under torchrun (2 processes, gloo, CPU): a LoRA policy sharded with FSDP2 (raw fully_shard) hands vLLM the
 same adapter as the unsharded model, gathering only the LoRA tensors. Writes a JSON report from rank 0."""
 
-import json
 import sys
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from report import finish  # tests/distributed/report.py (the script's folder)
 from safetensors.torch import load_file
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -47,10 +47,7 @@ def main(report_path: str) -> None:
         "bytes_sent": sent,
         "adapter_bytes": sum(v.numel() * 4 for v in reference.values()),
     }
-    if dist.get_rank() == 0:
-        with open(report_path, "w") as handle:
-            json.dump(report, handle)
-    dist.destroy_process_group()
+    finish(report, report_path)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Run under torchrun (2 processes, gloo, CPU): FSDP2 with trlx_scale's mixed-precision policy keeps fp32 sharded
 masters, computes in bf16, and applies RL-sized updates that bf16 weights would lose. Writes a JSON report."""
 
-import json
 import sys
 
 import torch
 import torch.distributed as dist
+from report import finish  # tests/distributed/report.py (the script's folder)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -51,10 +51,7 @@ def main(report_path: str) -> None:
         )
         / len(full),
     }
-    if rank == 0:
-        with open(report_path, "w") as handle:
-            json.dump(report, handle)
-    dist.destroy_process_group()
+    finish(report, report_path)
 
 
 if __name__ == "__main__":
