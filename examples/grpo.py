@@ -83,6 +83,9 @@ def example_defaults(argv: list[str]) -> dict:
         max_completion_length=6,
         temperature=1.0,
         beta=0.0,
+        # Each prompt's 8 completions reuse one pass over the prompt in the log-prob and loss passes (exact; off with
+        # the reason logged where it cannot apply). docs/shared_prefix.md.
+        shared_prefix="auto",
         logging_steps=20,
         save_strategy="no",
         report_to="none",

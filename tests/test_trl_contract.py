@@ -4,11 +4,12 @@ import dataclasses
 import inspect
 import re
 
+import pytest
 import trl
 from trl.generation.vllm_generation import VLLMGeneration
 
 import trlx_scale
-from trlx_scale import GRPOConfig, GRPOTrainer
+from trlx_scale import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
 
 # Methods a trlx_scale class defines that its TRL parent does not have (new API, not overrides).
@@ -18,7 +19,11 @@ NEW_METHODS = {
         "_build_colocated_engine",
         "_setup_master_weights",
         "_uses_master_optimizer",
+        "_shared_prefix_enabled",
+        "_shared_prefix_blocker",
+        "_shared_prefix_logps",
     },
+    DPOTrainer: {"_colocated_engine", "_online_round"},
     ColocatedVLLMGeneration: {
         "llm_kwargs",
         "_quantization",
@@ -27,6 +32,7 @@ NEW_METHODS = {
         "_full_weights",
         "_push_weights",
         "pop_metrics",
+        "sequence_logprobs",
     },
 }
 
@@ -35,33 +41,45 @@ def _parameters(func):
     return [(p.name, p.kind, p.default) for p in inspect.signature(func).parameters.values()]
 
 
+CONFIGS = ((GRPOConfig, trl.GRPOConfig), (DPOConfig, trl.DPOConfig))
+
+
 def test_public_names():
     assert issubclass(trlx_scale.GRPOTrainer, trl.GRPOTrainer)
     assert issubclass(trlx_scale.GRPOConfig, trl.GRPOConfig)
+    assert issubclass(trlx_scale.DPOTrainer, trl.DPOTrainer)
+    assert issubclass(trlx_scale.DPOConfig, trl.DPOConfig)
 
 
 def test_trainer_constructor_matches_trl():
     assert _parameters(GRPOTrainer.__init__) == _parameters(trl.GRPOTrainer.__init__)
+    # DPO: TRL's parameters in TRL's order, then reward_funcs (online DPO), optional.
+    ours = _parameters(DPOTrainer.__init__)
+    assert ours[:-1] == _parameters(trl.DPOTrainer.__init__)
+    assert ours[-1][0] == "reward_funcs" and ours[-1][2] is None
 
 
-def test_config_has_every_trl_field_with_the_same_default():
-    ours = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-    for theirs in dataclasses.fields(trl.GRPOConfig):
+@pytest.mark.parametrize(("ours_cls", "trl_cls"), CONFIGS)
+def test_config_has_every_trl_field_with_the_same_default(ours_cls, trl_cls):
+    ours = {f.name: f for f in dataclasses.fields(ours_cls)}
+    for theirs in dataclasses.fields(trl_cls):
         assert theirs.name in ours, theirs.name
         assert ours[theirs.name].default == theirs.default, theirs.name
         assert ours[theirs.name].default_factory == theirs.default_factory, theirs.name
 
 
-def test_added_config_fields_have_help():
-    trl_names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
-    added = [f for f in dataclasses.fields(GRPOConfig) if f.name not in trl_names]
-    assert added, "trlx_scale adds fields to GRPOConfig"
+@pytest.mark.parametrize(("ours_cls", "trl_cls"), CONFIGS)
+def test_added_config_fields_have_help(ours_cls, trl_cls):
+    trl_names = {f.name for f in dataclasses.fields(trl_cls)}
+    added = [f for f in dataclasses.fields(ours_cls) if f.name not in trl_names]
+    assert added, f"trlx_scale adds fields to {ours_cls.__name__}"
     for f in added:
         assert len(f.metadata.get("help", "")) > 20, f"{f.name} needs a help text"
 
 
 def test_overridden_methods_exist_upstream_with_the_same_signature():
-    for ours, parent in ((GRPOTrainer, trl.GRPOTrainer), (ColocatedVLLMGeneration, VLLMGeneration)):
+    pairs = ((GRPOTrainer, trl.GRPOTrainer), (DPOTrainer, trl.DPOTrainer), (ColocatedVLLMGeneration, VLLMGeneration))
+    for ours, parent in pairs:
         for name, member in vars(ours).items():
             if not callable(member) or name.startswith("__"):
                 continue

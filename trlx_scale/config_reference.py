@@ -13,9 +13,10 @@ from typing import Any
 
 import trl
 
+from .trainer.dpo_config import DPOConfig
 from .trainer.grpo_config import GRPOConfig
 
-CONFIGS: list[tuple[type, type]] = [(GRPOConfig, trl.GRPOConfig)]
+CONFIGS: list[tuple[type, type]] = [(GRPOConfig, trl.GRPOConfig), (DPOConfig, trl.DPOConfig)]
 
 
 def _declared_annotation(config_class: type, name: str) -> Any:

@@ -76,6 +76,29 @@ def addition_dataset(split: str = "train", size: int | None = None, conversation
     return Dataset.from_dict(_to_rows(problems, conversational))
 
 
+def wrong_answer(problem: AdditionProblem) -> str:
+    """A plausible wrong answer (off by 1 to 10), the same for a problem on every call."""
+    rng = random.Random(problem.a * 1000 + problem.b)
+    correct = problem.a + problem.b
+    offset = rng.choice([d for d in range(-10, 11) if d != 0 and correct + d >= 0])
+    return str(correct + offset)
+
+
+def addition_preference_dataset(split: str = "train", size: int | None = None) -> Dataset:
+    """A TRL preference dataset (conversational ``prompt``/``chosen``/``rejected``) for the addition task: the
+    correct answer is chosen over a wrong one. Same splits and order as ``addition_dataset``."""
+    prompts = addition_dataset(split, size)
+    train, held_out = split_problems()
+    problems = (train if split == "train" else held_out)[: len(prompts)]
+    return Dataset.from_dict(
+        {
+            "prompt": prompts["prompt"],
+            "chosen": [[{"role": "assistant", "content": p.answer}] for p in problems],
+            "rejected": [[{"role": "assistant", "content": wrong_answer(p)}] for p in problems],
+        }
+    )
+
+
 def completion_text(completion: str | list[dict]) -> str:
     """The generated text of a completion, in TRL's standard (str) or conversational (list of messages) format."""
     if isinstance(completion, str):

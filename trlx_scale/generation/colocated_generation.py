@@ -341,6 +341,36 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             self._metrics["memory/device_gib_after_sleep"] = _device_memory()
         return prompt_ids, completion_ids, logprobs, logprob_token_ids
 
+    def sequence_logprobs(self, sequences: list[list[int]], use_adapter: bool = False) -> list[list[float]]:
+        """Log-prob of each token of each sequence given the tokens before it (``len - 1`` values per sequence).
+
+        One prefill per sequence through vLLM's ``prompt_logprobs`` (no sampling: one dummy token is generated),
+        at temperature 1 (raw model log-probs). ``use_adapter=False`` scores the base weights even when a LoRA adapter
+        is loaded, which is the reference of a LoRA policy. The engine sleeps afterwards when sleep mode is on.
+        """
+        from vllm import SamplingParams
+
+        if self.lifecycle.state is self.lifecycle.state.ASLEEP:
+            self.sync_weights()
+        self.lifecycle.wake_kv_cache()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, top_p=1.0, top_k=0)
+        self.lifecycle.begin_generation()
+        start = time.perf_counter()
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(ids)} for ids in sequences],
+            sampling_params=params,
+            lora_request=self._lora_request if use_adapter else None,
+            use_tqdm=False,
+        )
+        self._metrics["scoring/seconds"] = time.perf_counter() - start
+        self.lifecycle.end_generation(sleep=self.enable_sleep_mode)
+        self._llm_weights_sleeping = self.lifecycle.weights_discarded
+        # prompt_logprobs[t] holds the sampled-or-actual token's entry for position t (None at t=0).
+        return [
+            [position[token].logprob for position, token in zip(output.prompt_logprobs[1:], ids[1:], strict=True)]
+            for output, ids in zip(outputs, sequences, strict=True)
+        ]
+
     def pop_metrics(self) -> dict[str, float]:
         """Metrics of the rounds since the last call (the trainer logs them through TRL's metric path)."""
         metrics, self._metrics = self._metrics, {}

@@ -4,7 +4,7 @@ left at their default take the recipe's value).
 gspo (Qwen, "Group Sequence Policy Optimization", 2025): sequence-level importance ratios
 s_i = exp(mean_t(log pi - log pi_old)), clipped to [1 - 3e-4, 1 + 4e-4] (sequence ratios concentrate near 1, so the
 range is ~1000x narrower than PPO's 0.2), the loss averaged per sequence ("grpo" aggregation: every sequence weighs
-the same), and no KL penalty.
+the same), and no KL penalty. It also turns the shared-prefix pass to "auto" (GSPO's groups share their prompt).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         "epsilon_high": 4e-4,
         "loss_type": "grpo",
         "beta": 0.0,
+        "shared_prefix": "auto",
     },
 }
 

@@ -1,4 +1,6 @@
+from .dpo_config import DPOConfig
+from .dpo_trainer import DPOTrainer
 from .grpo_config import GRPOConfig
 from .grpo_trainer import GRPOTrainer
 
-__all__ = ["GRPOConfig", "GRPOTrainer"]
+__all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer"]

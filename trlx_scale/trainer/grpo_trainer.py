@@ -2,7 +2,8 @@
 
 Same constructor, same behaviour, while no trlx_scale option is on. The systems features live in components and
 are wired in here: the colocated vLLM engine (``trlx_scale.generation``: lifecycle, LoRA-only sync, grouped
-generation, metrics) and the optimizer presets with fp32 master weights (``trlx_scale.optim``).
+generation, metrics), the optimizer presets with fp32 master weights (``trlx_scale.optim``), GSPO importance
+ratios (``trlx_scale.losses``) and the shared-prefix log-prob pass (``trlx_scale.modeling.shared_prefix``).
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.utils import logging
 from trl import GRPOTrainer as TRLGRPOTrainer
 
 from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.optimizer_offload import OptimizerStateOffloader
 from ..losses.policy_losses import log_importance_weights
-from ..optim.master_weights import FP32MasterAdamW, cast_for_master_weights
-from ..optim.presets import describe, get_preset
+from ..modeling.shared_prefix import shared_prefix_logps, shared_token_ratio, unsupported_reason
 from .grpo_config import GRPOConfig
+from .master_weights_setup import MasterWeightsMixin
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -32,8 +34,10 @@ if TYPE_CHECKING:
         TrainerCallback,
     )
 
+logger = logging.get_logger(__name__)
 
-class GRPOTrainer(TRLGRPOTrainer):
+
+class GRPOTrainer(MasterWeightsMixin, TRLGRPOTrainer):
     """Group Relative Policy Optimization, as [`trl.GRPOTrainer`], with trlx_scale's scaling features.
 
     The constructor mirrors TRL's argument for argument (a contract test compares the signatures), so a script
@@ -98,57 +102,6 @@ class GRPOTrainer(TRLGRPOTrainer):
             self.vllm_generation = self._build_colocated_engine()
             self._last_loaded_step = -1  # TRL's tag: sync once per optimizer step, not per micro-batch
 
-    @property
-    def _uses_master_optimizer(self) -> bool:
-        """fp32 masters in our optimizer: single device and DDP (FSDP2/ZeRO-3 keep their own masters)."""
-        uses = isinstance(self.args, GRPOConfig) and self.args.uses_fp32_master_weights
-        return uses and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
-
-    def _setup_master_weights(self) -> None:
-        args = self.args
-        if not isinstance(args, GRPOConfig):
-            return
-        if args.optim_preset_values is not None:
-            self.accelerator.print(describe(args.optim_preset_values, get_preset(args.optim_preset)))
-        if not args.uses_fp32_master_weights:
-            return
-        if self.optimizer is not None:
-            raise ValueError(
-                "fp32_master_weights builds its own optimizer (FP32MasterAdamW) but an optimizer was passed through "
-                "`optimizers=`; drop one of the two (set fp32_master_weights=False to keep yours)."
-            )
-        if self.is_deepspeed_enabled:
-            ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
-            if not ds_config.get("bf16", {}).get("enabled", False):
-                raise ValueError(
-                    "fp32_master_weights under DeepSpeed needs its bf16 mode (fp32 masters in the optimizer): set "
-                    '"bf16": {"enabled": true} in the DeepSpeed config, e.g. trlx_scale.optim.deepspeed_zero3_config.'
-                )
-            return
-        if self.is_fsdp_enabled:
-            return  # FSDP2 keeps fp32 sharded masters; bf16 compute comes from its MixedPrecisionPolicy
-        cast_for_master_weights(self.model, torch.bfloat16)
-        self.accelerator.print("fp32_master_weights: model held in bf16, fp32 masters and moments in the optimizer")
-
-    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
-        if not self._uses_master_optimizer:
-            return super().create_optimizer(model)
-        if self.optimizer is None:
-            opt_model = self.model if model is None else model
-            decay = set(self.get_decay_parameter_names(opt_model))
-            trainable = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
-            groups = [
-                {"params": [p for n, p in trainable if n in decay], "weight_decay": self.args.weight_decay},
-                {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
-            ]
-            self.optimizer = FP32MasterAdamW(
-                [g for g in groups if g["params"]],
-                lr=self.args.learning_rate,
-                betas=(self.args.adam_beta1, self.args.adam_beta2),
-                eps=self.args.adam_epsilon,
-            )
-        return self.optimizer
-
     def _compute_loss(self, model, inputs):
         if self.importance_sampling_level != "sequence_token":
             return super()._compute_loss(model, inputs)
@@ -184,25 +137,34 @@ class GRPOTrainer(TRLGRPOTrainer):
         mm_token_type_ids=None,
         image_position_ids=None,
     ):
-        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            batch_size=batch_size,
-            compute_entropy=compute_entropy,
-            compute_aux_loss=compute_aux_loss,
-            pixel_values=pixel_values,
-            image_grid_thw=image_grid_thw,
-            num_images=num_images,
-            pixel_attention_mask=pixel_attention_mask,
-            spatial_shapes=spatial_shapes,
-            num_tiles=num_tiles,
-            image_sizes=image_sizes,
-            token_type_ids=token_type_ids,
-            mm_token_type_ids=mm_token_type_ids,
-            image_position_ids=image_position_ids,
-        )
+        mm_inputs = (pixel_values, image_grid_thw, num_images, pixel_attention_mask, spatial_shapes, num_tiles)
+        mm_inputs += (image_sizes, token_type_ids, mm_token_type_ids, image_position_ids)
+        # The router load-balancing loss and image inputs cover the prompt tokens: those batches take TRL's pass.
+        if not compute_aux_loss and all(x is None for x in mm_inputs) and self._shared_prefix_enabled(model):
+            logps, entropies = self._shared_prefix_logps(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
+            )
+            aux_loss = None
+        else:
+            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+                pixel_values=pixel_values,
+                image_grid_thw=image_grid_thw,
+                num_images=num_images,
+                pixel_attention_mask=pixel_attention_mask,
+                spatial_shapes=spatial_shapes,
+                num_tiles=num_tiles,
+                image_sizes=image_sizes,
+                token_type_ids=token_type_ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_position_ids=image_position_ids,
+            )
         inputs = getattr(self, "_sequence_token_inputs", None)
         if inputs is None:
             return logps, entropies, aux_loss
@@ -210,6 +172,52 @@ class GRPOTrainer(TRLGRPOTrainer):
         old = logps.detach() if old is None else old
         mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
         return old + log_importance_weights(logps, old, mask, "sequence_token"), entropies, aux_loss
+
+    def _shared_prefix_enabled(self, model) -> bool:
+        """Resolve `shared_prefix` once, at the first pass (gradient checkpointing is switched on by then)."""
+        if getattr(self, "_shared_prefix_decision", None) is None:
+            setting = getattr(self.args, "shared_prefix", "false")
+            reason = None
+            if setting != "false":
+                reason = self._shared_prefix_blocker(model, auto=setting == "auto")
+            if setting == "true" and reason is not None:
+                raise ValueError(f"shared_prefix='true' cannot run: {reason}. Set shared_prefix='auto' or 'false'.")
+            if setting == "auto" and reason is not None:
+                logger.warning("shared_prefix='auto' is off: %s.", reason)
+            self.shared_prefix_off_reason = reason if setting != "false" else "shared_prefix='false'"
+            self._shared_prefix_decision = setting != "false" and reason is None
+        return self._shared_prefix_decision
+
+    def _shared_prefix_blocker(self, model, auto: bool) -> str | None:
+        if getattr(self.args, "use_liger_kernel", False):
+            return "use_liger_kernel computes the loss in a fused kernel from the full rows' hidden states"
+        if auto and self.num_generations == 1:
+            return "num_generations=1, so no prompt is repeated in a batch"
+        return unsupported_reason(self.accelerator.unwrap_model(model))
+
+    def _shared_prefix_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
+        """TRL's chunked pass, with each chunk's prompts shared; chunks without a repeated prompt take TRL's path."""
+        batch_size = batch_size or input_ids.size(0)
+        inner = self.accelerator.unwrap_model(model)
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            with self.accelerator.autocast():
+                shared = shared_prefix_logps(model, ids, mask, logits_to_keep, compute_entropy, inner_model=inner)
+            used = shared is not None
+            if not used:
+                logps, entropies, _ = super()._get_per_token_logps_and_entropies(
+                    model, ids, mask, logits_to_keep, compute_entropy=compute_entropy
+                )
+                shared = (logps, entropies)
+            mode = "train" if self.model.training else "eval"
+            # Tokens TRL's pass would process over tokens this one did: how much the sharing pays.
+            self._metrics[mode]["shared_prefix/token_ratio"].append(
+                shared_token_ratio(ids, mask, logits_to_keep) if used else 1.0
+            )
+            all_logps.append(shared[0])
+            all_entropies.append(shared[1])
+        return torch.cat(all_logps), torch.cat(all_entropies) if compute_entropy else None
 
     def _check_vllm_only_options(self) -> None:
         """The checks TRL's __init__ runs only when use_vllm is on (it saw it off); kept in step by a contract test."""

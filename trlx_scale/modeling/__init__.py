@@ -1,0 +1,1 @@
+"""Model-forward techniques used by the trainers (shared-prefix log-prob pass)."""

@@ -1,0 +1,187 @@
+"""Shared-prefix log-prob pass: each distinct prompt of a batch goes through the model once, not once per completion.
+
+A GRPO batch holds G completions per prompt, and TRL scores each row as prompt + completion, so the prompt is
+processed G times in the old-policy, reference and loss passes. Here the rows are grouped by prompt and:
+
+1. the unique prompts, without their last token, run once and leave their key/value states in a cache
+   (``PrefixCapture``);
+2. each row's completion, preceded by the prompt's last token (whose hidden state predicts the first completion
+   token), runs on top of its prompt's states (``SharedPrefixCache``, which gathers the unique states for the rows
+   by index);
+3. the backward of that gather sums the G rows' gradients into the shared states, so the prompt's gradient is the
+   group's sum, as in the duplicated computation.
+
+Positions, masks and the scored tokens are those of the duplicated forward (positions continue from the cached
+length, as they do in the full row; the row's full attention mask covers both parts), so the log-probs and gradients
+equal TRL's up to float rounding (tests/test_shared_prefix.py: 1e-5 relative in fp32, left padding, mixed prompt
+lengths, LoRA, gradient checkpointing, G=1). Both caches are idempotent (capture overwrites, the completion cache only
+reads), which is what lets them pass through gradient-checkpointed layers (``compat.checkpoint_with_cache``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..compat.checkpoint_with_cache import (
+    checkpointed_cache_supported,
+    keep_cache_under_checkpointing,
+    uses_reentrant_checkpointing,
+)
+
+
+@dataclass(frozen=True)
+class PromptGroups:
+    """Rows of a batch grouped by identical prefix: ``first_row[g]`` represents group g, ``row_group[i]`` is row i's."""
+
+    first_row: torch.Tensor
+    row_group: torch.Tensor
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.first_row.numel())
+
+
+def find_prompt_groups(prefix_ids: torch.Tensor, prefix_mask: torch.Tensor) -> PromptGroups:
+    """Group rows whose (left-padded) prefixes hold the same tokens at the same places; groups in order of first row."""
+    keyed = prefix_ids.masked_fill(prefix_mask == 0, -1)
+    _, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+    rows = torch.arange(keyed.size(0), device=keyed.device)
+    num_groups = int(inverse.max()) + 1 if rows.numel() else 0
+    first = torch.full((num_groups,), keyed.size(0), dtype=torch.long, device=keyed.device)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")
+    # Renumber groups by their first row so the grouping does not depend on torch.unique's sort order.
+    order = torch.argsort(first)
+    renumber = torch.empty_like(order)
+    renumber[order] = torch.arange(num_groups, device=keyed.device)
+    return PromptGroups(first_row=first[order], row_group=renumber[inverse])
+
+
+class _CaptureLayer(DynamicLayer):
+    """Keeps the key/value states of the prefix forward. Overwrites rather than appends, so a checkpoint recompute
+    stores the same states again instead of doubling the cache."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0  # read only before the layer runs: the prefix starts at position 0
+
+
+class _SharedPrefixLayer(DynamicLayer):
+    """Read-only: returns the rows' prefix states (gathered from the unique ones) followed by the new states."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, row_group: torch.Tensor):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values, self.row_group = keys, values, row_group
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        # Gathered here, inside the layer, so only the unique states stay alive between forward and backward.
+        keys = torch.cat([self.keys.index_select(0, self.row_group), key_states], dim=-2)
+        values = torch.cat([self.values.index_select(0, self.row_group), value_states], dim=-2)
+        return keys, values
+
+
+def shared_token_ratio(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> float:
+    """Token positions the duplicated pass processes over those the shared pass does (padded, as computed)."""
+    rows, length = input_ids.shape
+    split = length - logits_to_keep - 1
+    if split < 1:
+        return 1.0
+    groups = find_prompt_groups(input_ids[:, :split], attention_mask[:, :split])
+    return rows * length / (groups.num_groups * split + rows * (length - split))
+
+
+def num_decoder_layers(model: torch.nn.Module) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.num_hidden_layers)
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why the shared-prefix pass cannot run exactly on ``model``, or None when it can."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return "the model is encoder-decoder (the prompt is not a prefix of the decoder input)"
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text_config is not config:
+        return "the model is multimodal (image tokens are not covered by the prompt grouping)"
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        return f"the model has non-full-attention layers ({sorted(set(layer_types))}); only full attention is exact"
+    if (
+        layer_types is None
+        and getattr(text_config, "sliding_window", None)
+        and getattr(text_config, "use_sliding_window", True)
+    ):
+        return "the model uses sliding-window attention; only full attention is exact"
+    if not getattr(model, "_supports_cache_class", True) or not hasattr(model, "get_output_embeddings"):
+        return "the model does not take a transformers Cache"
+    gradient_checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    if gradient_checkpointing and not checkpointed_cache_supported():
+        return "gradient checkpointing drops the cache in this transformers version"
+    if gradient_checkpointing and uses_reentrant_checkpointing(model):
+        return (
+            "gradient checkpointing is reentrant (use_reentrant=True), which cuts the gradient of the shared states; "
+            "set gradient_checkpointing_kwargs={'use_reentrant': False}"
+        )
+    return None
+
+
+def shared_prefix_logps(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    compute_entropy: bool = False,
+    inner_model: torch.nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Per-token log-probs (and entropies) of the last ``logits_to_keep`` tokens, computed with shared prefixes.
+
+    ``model`` must carry TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``), as GRPOTrainer's models do;
+    ``inner_model`` is the unwrapped model whose layers and config are inspected (defaults to ``model``). The prompt
+    is ``input_ids[:, :-logits_to_keep]`` (left-padded), the completion the rest. Returns None when no two rows share
+    a prefix (or the prompt has a single column): then there is nothing to save and the caller runs the plain pass.
+    """
+    inner_model = model if inner_model is None else inner_model
+    prompt_length = input_ids.size(1) - logits_to_keep
+    if prompt_length < 2:
+        return None
+    split = prompt_length - 1  # the prompt's last token goes with the completion: it predicts the first token
+    prefix_ids, prefix_mask = input_ids[:, :split], attention_mask[:, :split]
+    groups = find_prompt_groups(prefix_ids, prefix_mask)
+    if groups.num_groups == input_ids.size(0):
+        return None
+
+    capture = Cache(layers=[_CaptureLayer() for _ in range(num_decoder_layers(inner_model))])
+    with keep_cache_under_checkpointing(inner_model):
+        # logits_to_keep=1: the prefix's own logits are never used, so the LM head runs on one position only.
+        model(
+            input_ids=prefix_ids.index_select(0, groups.first_row),
+            attention_mask=prefix_mask.index_select(0, groups.first_row),
+            past_key_values=capture,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        shared = Cache(
+            layers=[_SharedPrefixLayer(layer.keys, layer.values, groups.row_group) for layer in capture.layers]
+        )
+        suffix_ids = input_ids[:, split:]
+        labels = suffix_ids.masked_fill(attention_mask[:, split:] == 0, -100)
+        labels[:, 0] = -100  # the prompt's last token is context, not scored
+        outputs = model(
+            input_ids=suffix_ids,
+            attention_mask=attention_mask,
+            past_key_values=shared,
+            labels=labels,
+            fused_lm_head=True,
+        )
+    logps = outputs.log_probs[:, -logits_to_keep:]
+    entropies = outputs.entropy[:, -logits_to_keep:] if compute_entropy else None
+    return logps, entropies

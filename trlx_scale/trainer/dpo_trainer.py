@@ -1,0 +1,282 @@
+"""``DPOTrainer``: a drop-in subclass of ``trl.DPOTrainer``.
+
+Same constructor (plus an optional ``reward_funcs`` for online DPO), same behaviour while no trlx_scale option is on.
+What it adds:
+
+- ``optim_preset`` / ``fp32_master_weights`` (shared with GRPO: ``MasterWeightsMixin``);
+- the reference of a LoRA policy is the base with the adapter disabled, so no second model is loaded (TRL's own
+  behaviour when ``ref_model`` is None; kept and tested);
+- ``vllm_ref_log_probs``: reference log-probs of the whole dataset computed once by the colocated vLLM engine
+  (``prompt_logprobs``) in place of TRL's ``precompute_ref_log_probs`` forward passes;
+- ``online``: each step, the current policy samples completions for the batch's prompts through the colocated engine
+  (LoRA-only sync, sleep/wake), ``reward_funcs`` rank them, and DPO trains on the (best, worst) pairs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from datasets import Dataset, IterableDataset
+from transformers import Trainer
+from transformers.utils import logging
+from trl import DPOTrainer as TRLDPOTrainer
+from trl.data_utils import is_conversational
+from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+from ..generation.colocated_generation import ColocatedVLLMGeneration
+from ..generation.cpu_environment import configure_vllm_cpu_environment
+from ..generation.weight_sync import is_peft_model
+from .dpo_config import DPOConfig
+from .master_weights_setup import MasterWeightsMixin
+from .preference_pairs import best_worst_pairs, completion_logprob_sums
+
+if TYPE_CHECKING:
+    from datasets import DatasetDict, IterableDatasetDict
+    from peft import PeftConfig, PeftModel
+    from transformers import (
+        BitsAndBytesConfig,
+        EvalPrediction,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        ProcessorMixin,
+        TrainerCallback,
+    )
+    from transformers.data.data_collator import DataCollator
+
+logger = logging.get_logger(__name__)
+
+# Examples sent to the engine at a time when it scores reference log-probs (vLLM batches them internally).
+REF_SCORING_CHUNK = 512
+
+
+class DPOTrainer(MasterWeightsMixin, TRLDPOTrainer):
+    """Direct Preference Optimization, as [`trl.DPOTrainer`], with trlx_scale's options.
+
+    The constructor takes TRL's arguments in TRL's order (a contract test compares the signatures) and one more,
+    `reward_funcs` (GRPO's reward-function signature), used only by `online=True`. `args` may be a
+    [`trlx_scale.DPOConfig`] or a plain [`trl.DPOConfig`].
+    """
+
+    _tag_names = ["trl", "dpo", "trlx-scale"]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | PeftModel,
+        ref_model: PreTrainedModel | None = None,
+        args: DPOConfig | None = None,
+        data_collator: DataCollator | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset
+        | IterableDataset
+        | DatasetDict
+        | IterableDatasetDict
+        | dict[str, Dataset | IterableDataset]
+        | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
+        compute_metrics: Callable[[EvalPrediction], dict] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: BitsAndBytesConfig | None = None,
+        peft_config: PeftConfig | None = None,
+        reward_funcs: Callable | list[Callable] | None = None,
+    ):
+        ours = isinstance(args, DPOConfig)
+        self._online = ours and args.online
+        self._vllm_ref = ours and args.vllm_ref_log_probs
+        self._engine: ColocatedVLLMGeneration | None = None  # built on first use (TRL's __init__ may need it)
+        self._last_synced_step = -1
+        reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs or [])
+        if self._online and not reward_funcs:
+            raise ValueError("online=True ranks sampled completions with reward_funcs: pass reward_funcs=[...].")
+        if reward_funcs and not self._online:
+            raise ValueError("reward_funcs is used by online DPO only: set online=True in DPOConfig or drop them.")
+        self.reward_funcs = reward_funcs
+        if ours and args.uses_engine:
+            configure_vllm_cpu_environment(args.vllm_cpu_kvcache_space)
+        if self._online:
+            # Prompt-only rows reach training_step untouched (the reward functions read their extra columns).
+            args.remove_unused_columns = False
+            data_collator = data_collator or _keep_examples
+        super().__init__(
+            model=model,
+            ref_model=ref_model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
+        if self._online:
+            self._pair_collator = DataCollatorForPreference(
+                pad_token_id=self._tokenizer.pad_token_id,
+                max_length=args.max_length,
+                truncation_mode=args.truncation_mode,
+                pad_to_multiple_of=args.pad_to_multiple_of,
+            )
+        self._setup_master_weights()
+
+    # ------------------------------------------------------------------ engine
+
+    def _colocated_engine(self) -> ColocatedVLLMGeneration:
+        if self._engine is None:
+            args = self.args
+            # Sequences longer than the model's positions are truncated by max_length already; the engine may not
+            # be configured beyond the model's own limit.
+            limit = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
+            max_model_length = args.vllm_max_model_length or args.max_length
+            if limit is not None and max_model_length is not None:
+                max_model_length = min(max_model_length, limit)
+            per_step = args.per_device_train_batch_size * args.online_num_generations
+            max_num_seqs = per_step if self._online else 256
+            self._engine = ColocatedVLLMGeneration(
+                model=self.model,
+                accelerator=self.accelerator,
+                processing_class=self.processing_class,
+                mode="colocate",
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                max_model_length=max_model_length,
+                max_num_seqs=max_num_seqs,
+                enable_sleep_mode=args.vllm_enable_sleep_mode,
+                trust_remote_code=args.trust_remote_code,
+                temperature=args.online_temperature,
+                max_completion_length=args.online_max_completion_length,
+                logprobs=0,
+                dtype=args.engine_dtype(),
+                enforce_eager=args.vllm_enforce_eager,
+                sync_mode=args.vllm_sync_mode,
+                sleep_level=args.vllm_sleep_level,
+                sync_bucket_mb=args.vllm_sync_bucket_mb,
+            )
+        return self._engine
+
+    # ------------------------------------------------------------------ reference log-probs from vLLM
+
+    def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
+        if not self._vllm_ref:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        if isinstance(dataset, IterableDataset):
+            raise ValueError("vllm_ref_log_probs needs a map-style Dataset (it scores every example once).")
+        if self.ref_model is not None:
+            raise ValueError(
+                "vllm_ref_log_probs scores the reference with the engine, which holds the policy's initial weights; "
+                "an explicit ref_model is not supported there. Pass ref_model=None (the reference is then the "
+                "initial policy, or the base of a LoRA policy) or set vllm_ref_log_probs=False."
+            )
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if is_peft_model(unwrapped) and "ref" in unwrapped.peft_config:
+            raise ValueError(
+                "vllm_ref_log_probs scores the base model, but this PEFT model carries a 'ref' adapter as its "
+                "reference; set vllm_ref_log_probs=False to use TRL's reference pass."
+            )
+        engine = self._colocated_engine()
+        engine.sync_weights()  # the engine now holds the trainer's weights as they are before any update
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        mine = list(range(rank, len(dataset), world))
+        chosen, rejected = [], []
+        start = time.perf_counter()
+        for offset in range(0, len(mine), REF_SCORING_CHUNK):
+            rows = [dataset[i] for i in mine[offset : offset + REF_SCORING_CHUNK]]
+            batch = self.data_collator(rows)  # TRL's collator: its truncation, its completion mask
+            sums = completion_logprob_sums(
+                engine, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+            )
+            chosen += sums[: len(rows)]
+            rejected += sums[len(rows) :]
+        local = list(zip(mine, chosen, rejected, strict=True))
+        gathered = [local] if world == 1 else _all_gather_objects(local, world)
+        by_index = {i: (c, r) for part in gathered for i, c, r in part}
+        logger.info(
+            "vLLM reference log-probs of %d %s examples in %.1f s", len(dataset), name, time.perf_counter() - start
+        )
+        dataset = dataset.add_column("ref_chosen_logps", [by_index[i][0] for i in range(len(dataset))])
+        return dataset.add_column("ref_rejected_logps", [by_index[i][1] for i in range(len(dataset))])
+
+    # ------------------------------------------------------------------ online DPO
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if not self._online:
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        first = next(iter(dataset))
+        if "prompt" not in first:
+            raise ValueError(
+                f"online=True needs a 'prompt' column in the {dataset_name} dataset; it has {list(first)}."
+            )
+        tokenizer = self._tokenizer
+
+        def tokenize(example):
+            if is_conversational(example):
+                ids = tokenizer.apply_chat_template(example["prompt"], add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            else:
+                ids = tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]
+            return {"prompt_ids": list(ids)}
+
+        return dataset.map(tokenize, desc=f"Tokenizing {dataset_name} prompts")
+
+    def training_step(self, *args, **kwargs):
+        # TRL's signature, which forwards to transformers' (model, inputs, num_items_in_batch).
+        if not self._online:
+            return super().training_step(*args, **kwargs)
+        arguments = inspect.signature(Trainer.training_step).bind(self, *args, **kwargs).arguments
+        model, examples = arguments["model"], arguments["inputs"]
+        pairs = self._online_round(examples)
+        if not pairs:
+            # Every prompt's samples scored the same: no preference to learn. A zero loss still runs backward, so
+            # data-parallel ranks stay in step.
+            model.train()
+            loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+            self.accelerator.backward(loss)
+            return loss.detach()
+        arguments.pop("self")
+        arguments["inputs"] = self._pair_collator(pairs)
+        return super().training_step(**arguments)
+
+    def _online_round(self, examples: list[dict[str, Any]]) -> list[dict[str, list[int]]]:
+        """Sample, score and pair one batch of prompts with the current policy."""
+        args = self.args
+        engine = self._colocated_engine()
+        if self.state.global_step != self._last_synced_step:
+            engine.sync_weights()  # LoRA-only where possible: the policy's adapter after the last update
+            self._last_synced_step = self.state.global_step
+        group = args.online_num_generations
+        prompt_ids = [example["prompt_ids"] for example in examples]
+        repeated = [ids for ids in prompt_ids for _ in range(group)]
+        _, completion_ids, _, _ = engine.generate(prompts=repeated, images=None, num_generations=group)
+        texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = is_conversational(examples[0])
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        prompts = [example["prompt"] for example in examples for _ in range(group)]
+        columns = {
+            key: [example[key] for example in examples for _ in range(group)]
+            for key in examples[0]
+            if key not in ("prompt", "prompt_ids")
+        }
+        rewards = torch.zeros(len(repeated))
+        for func in self.reward_funcs:
+            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            rewards += torch.tensor([float("nan") if v is None else v for v in values])
+        pairs, stats = best_worst_pairs(prompt_ids, completion_ids, rewards.view(len(examples), group))
+        mode = "train"
+        for key, value in {**stats, **engine.pop_metrics()}.items():
+            self._metrics[mode][key if "/" in key else f"online/{key}"].append(value)
+        return pairs
+
+
+def _keep_examples(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Online DPO's collator: the rows go to the online round as they are."""
+    return examples
+
+
+def _all_gather_objects(local: list, world: int) -> list[list]:
+    gathered: list = [None] * world
+    torch.distributed.all_gather_object(gathered, local)
+    return gathered
