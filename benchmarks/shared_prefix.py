@@ -140,7 +140,10 @@ def main() -> None:
     model = build_model(args)
     batch = build_batch(args, model.config.vocab_size)
     with torch.no_grad():  # the two modes compute the same log-probs (a benchmark of a wrong answer is worthless)
-        gap = (logps(model, "shared", *batch, args.completion_len) - logps(model, "duplicated", *batch, args.completion_len)).abs()
+        gap = (
+            logps(model, "shared", *batch, args.completion_len)
+            - logps(model, "duplicated", *batch, args.completion_len)
+        ).abs()
     for mode in MODES:  # warm-up
         time_forward_backward(model, mode, batch, args.completion_len)
     times = {(mode, kind): [] for mode in MODES for kind in ("logprob", "fwd_bwd")}
@@ -158,11 +161,13 @@ def main() -> None:
         f"threads {args.threads}; gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}; "
         f"{args.repeats} repeats; max |log-prob difference| {gap.max().item():.2e}; ideal token ratio {ideal:.2f}x"
     )
-    print("| pass | duplicated (s, median) | shared (s, median) | speed-up (median of ratios) | peak mem dup / shared (MiB) |")
+    print(
+        "| pass | duplicated (s, median) | shared (s, median) | speed-up (median of ratios) | peak mem dup / shared (MiB) |"
+    )
     print("|---|---|---|---|---|")
     for kind, label in (("logprob", "log-prob pass (no grad)"), ("fwd_bwd", "forward + backward")):
         dup, shared = times[("duplicated", kind)], times[("shared", kind)]
-        ratios = [d / s for d, s in zip(dup, shared)]
+        ratios = [d / s for d, s in zip(dup, shared, strict=True)]
         mem = [peak_memory(args, mode, kind) for mode in MODES]
         print(
             f"| {label} | {statistics.median(dup):.3f} | {statistics.median(shared):.3f} | "
