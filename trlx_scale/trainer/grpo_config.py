@@ -42,7 +42,7 @@ class GRPOConfig(ColocatedEngineFields, OptimizerPresetFields, TRLGRPOConfig):
         left at their defaults). `importance_sampling_level` also accepts `"sequence_token"` (GSPO-token).
     shared_prefix (`str`, *optional*, defaults to `"false"`):
         Score each group's prompt once in the old-policy, reference and loss passes and reuse its key/value states
-        for the group's completions (`trlx_scale.modeling.shared_prefix`; exact up to float rounding). `"auto"`: on
+        for the group's completions (`trlx_scale.prefix.shared_prefix`; exact up to float rounding). `"auto"`: on
         where it is valid and pays off, otherwise off with the reason logged once; `"true"`: on, or an error saying
         why it cannot be.
     optim_preset (`str` or `None`, *optional*, defaults to `None`):

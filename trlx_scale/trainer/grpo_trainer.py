@@ -3,7 +3,7 @@
 Same constructor, same behaviour, while no trlx_scale option is on. The systems features live in components and
 are wired in here: the colocated vLLM engine (``trlx_scale.generation``: lifecycle, LoRA-only sync, grouped
 generation, metrics), the optimizer presets with fp32 master weights (``trlx_scale.optim``), GSPO importance
-ratios (``trlx_scale.losses``) and the shared-prefix log-prob pass (``trlx_scale.modeling.shared_prefix``).
+ratios (``trlx_scale.losses``) and the shared-prefix log-prob pass (``trlx_scale.prefix.shared_prefix``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.optimizer_offload import OptimizerStateOffloader
 from ..losses.policy_losses import log_importance_weights
-from ..modeling.shared_prefix import shared_prefix_logps, shared_token_ratio, unsupported_reason
+from ..prefix.shared_prefix import shared_prefix_logps, shared_token_ratio, unsupported_reason
 from .grpo_config import GRPOConfig
 from .master_weights_setup import MasterWeightsMixin
 

@@ -1,1 +1,0 @@
-"""Model-forward techniques used by the trainers (shared-prefix log-prob pass)."""
