@@ -23,10 +23,8 @@ from dataclasses import dataclass, field
 # Allow `python examples/dpo.py` from a source checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 from datasets import load_dataset  # noqa: E402
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config  # noqa: E402
-from trl.models import unwrap_model_for_generation  # noqa: E402
 
 from trlx_scale import (  # noqa: E402
     DPOConfig,
@@ -36,7 +34,7 @@ from trlx_scale import (  # noqa: E402
     default_model_path,
     exact_match_reward,
 )
-from trlx_scale.evaluation import exact_match_accuracy  # noqa: E402
+from trlx_scale.example_runtime import cpu_launch_defaults, finish_run, held_out_accuracy, resume_argument  # noqa: E402
 from trlx_scale.reporting import RunSummary  # noqa: E402
 
 
@@ -91,27 +89,13 @@ def example_defaults(argv: list[str]) -> dict:
         report_to="none",
         seed=42,
     )
-    if not torch.cuda.is_available():
-        defaults["bf16"] = False
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            defaults["ddp_backend"] = "gloo"
-            if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-                defaults["use_cpu"] = True  # one gloo process group (see examples/grpo.py)
+    defaults.update(cpu_launch_defaults())
     return defaults
 
 
 # Tuned on the embedded task (docs/dpo.md).
 EXAMPLE_STEPS = {"offline": 100, "online": 100}
 EXAMPLE_LEARNING_RATE = {"offline": 1e-4, "online": 5e-4}
-
-
-def resume_argument(value: str | None) -> str | bool | None:
-    """--resume_from_checkpoint: a checkpoint path, 'true'/'latest' for the newest one in output_dir, or off."""
-    if value is None or value.lower() in ("", "false", "none"):
-        return None
-    if value.lower() in ("true", "latest"):
-        return True
-    return value
 
 
 def load_data(script_args: DPOScriptArguments, online: bool):
@@ -161,16 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     def accuracy() -> float | None:
-        if held_out is None:
-            return None
-        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
-            return exact_match_accuracy(
-                model,
-                trainer.processing_class,
-                held_out["prompt"],
-                held_out["answer"],
-                max_new_tokens=script_args.eval_max_new_tokens,
-            )
+        return held_out_accuracy(trainer, held_out, "answer", script_args.eval_max_new_tokens)
 
     summary = RunSummary(model=model_args.model_name_or_path, world_size=trainer.accelerator.num_processes)
     summary.accuracy_before = accuracy()
@@ -179,17 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary.train_seconds = time.perf_counter() - start
     summary.accuracy_after = accuracy()
     summary.read_log_history(trainer.state.log_history, trainer.state.global_step, reward_key="online/reward_mean")
-
     dataset_label = script_args.dataset_name or "trlx_scale/addition"
-    trainer.save_model(training_args.output_dir)
-    if trainer.accelerator.is_main_process:
-        trainer.create_model_card(dataset_name=dataset_label)
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=dataset_label)
-    if trainer.accelerator.is_main_process:
-        summary.write_json(os.path.join(training_args.output_dir, "run_summary.json"))
-        print(summary.render(), flush=True)
-    return summary.as_dict()
+    return finish_run(trainer, summary, training_args.output_dir, dataset_label, training_args.push_to_hub)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,236 @@
+"""PPO: the pure pieces against values computed by hand, the four roles, memory of the critic modes, training."""
+
+import math
+
+import pytest
+import torch
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from trlx_scale import PPOConfig, PPOTrainer, addition_dataset, exact_match_reward
+from trlx_scale.losses import clipped_value_loss
+from trlx_scale.ppo import AdaptiveKLController, gae, kl_penalty_rewards, masked_whiten, per_token_kl
+
+from .conftest import logged
+
+# ---------------------------------------------------------------- pure functions, by hand
+
+
+def test_gae_and_returns_match_the_definition_by_hand():
+    gamma, lam = 0.9, 0.8
+    rewards = torch.tensor([[0.0, 0.5, 1.0, 0.0], [2.0, -1.0, 0.0, 0.0]], dtype=torch.float64)
+    values = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.4, 0.5, 9.0, 9.0]], dtype=torch.float64)  # 9.0: padding
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    # Row 0 (3 tokens): delta_t = r_t + gamma V_{t+1} - V_t, V after the last token = 0.
+    d = [0.0 + gamma * 0.2 - 0.1, 0.5 + gamma * 0.3 - 0.2, 1.0 + 0.0 - 0.3]
+    a0 = [d[0] + gamma * lam * d[1] + (gamma * lam) ** 2 * d[2], d[1] + gamma * lam * d[2], d[2], 0.0]
+    # Row 1 (2 tokens).
+    e = [2.0 + gamma * 0.5 - 0.4, -1.0 + 0.0 - 0.5]
+    a1 = [e[0] + gamma * lam * e[1], e[1], 0.0, 0.0]
+    expected = torch.tensor([a0, a1], dtype=torch.float64)
+    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(returns, (expected + values) * mask)
+
+
+def test_kl_estimators_and_penalized_rewards():
+    logps = torch.tensor([[-1.0, -2.0, -0.5]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5]])
+    torch.testing.assert_close(per_token_kl(logps, ref, "k1"), torch.tensor([[0.5, -1.0, 0.0]]))
+    log_r = ref - logps  # k3 = (r - 1) - log r, r = pi_ref / pi
+    torch.testing.assert_close(per_token_kl(logps, ref, "k3"), torch.exp(log_r) - 1 - log_r)
+    assert (per_token_kl(logps, ref, "k3") >= 0).all()
+    kl = torch.tensor([[0.5, -1.0, 0.25], [0.1, 0.2, 0.3]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    rewards = kl_penalty_rewards(torch.tensor([1.0, -2.0]), kl * mask, 0.1, mask)
+    # The score lands on each row's last real token; every real token pays -0.1 * KL.
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.1 + 1.0, 0.0], [-0.01, -0.02, -0.03 - 2.0]]))
+    with pytest.raises(ValueError, match="kl_estimator"):
+        per_token_kl(logps, ref, "k2")
+
+
+def test_adaptive_kl_controller_update_rule():
+    controller = AdaptiveKLController(value=0.2, target=6.0, horizon=10000)
+    # KL 9 > target: error = clip(9/6 - 1, -0.2, 0.2) = 0.2; coef *= 1 + 0.2 * 256 / 10000.
+    assert controller.update(9.0, 256) == pytest.approx(0.2 * (1 + 0.2 * 256 / 10000))
+    before = controller.value
+    # KL 5.4 < target: error = -0.1.
+    assert controller.update(5.4, 1000) == pytest.approx(before * (1 - 0.1 * 1000 / 10000))
+
+
+def test_clipped_value_loss_by_hand():
+    values = torch.tensor([[1.0, 0.0, 5.0]])
+    old = torch.tensor([[0.5, 0.0, 0.0]])
+    returns = torch.tensor([[0.0, 1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, clip_fraction = clipped_value_loss(values, old, returns, mask, cliprange_value=0.2)
+    # token 0: unclipped (1-0)^2 = 1, clipped V = 0.5 + 0.2 = 0.7 -> 0.49; max = 1 (unclipped counts)
+    # token 1: unclipped (0-1)^2 = 1, clipped V = 0 -> 1; max = 1; token 2 is padding.
+    assert loss.item() == pytest.approx(0.5 * (1 + 1) / 2)
+    assert clip_fraction.item() == 0.0
+    values = torch.tensor([[0.0]])
+    loss, clip_fraction = clipped_value_loss(values, torch.tensor([[1.0]]), torch.tensor([[2.0]]), torch.tensor([[1]]))
+    # unclipped (0-2)^2 = 4, clipped V = 0.8 -> 1.44; max = 4, and clipping did not win.
+    assert loss.item() == pytest.approx(2.0) and clip_fraction.item() == 0.0
+    values = torch.tensor([[2.0]])
+    loss, clip_fraction = clipped_value_loss(values, torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[1]]))
+    # unclipped 4, clipped V = 1.2 -> 1.44: unclipped wins; and the gradient flows through the unclipped branch
+    assert loss.item() == pytest.approx(2.0)
+
+
+def test_masked_whitening_ignores_padding():
+    values = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    whitened = masked_whiten(values, mask)
+    real = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    expected = (real - real.mean()) / real.std()
+    torch.testing.assert_close(whitened[mask.bool()], expected, atol=1e-6, rtol=1e-6)
+    assert (whitened[~mask.bool()] == 0).all()
+
+
+# ---------------------------------------------------------------- trainer
+
+
+def _args(output_dir, **overrides):
+    values = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=5,
+        max_steps=2,
+        learning_rate=1e-4,
+        critic_learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        seed=11,
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return PPOConfig(**values)
+
+
+LORA = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+
+
+def _trainer(default_model_dir, tmp_path, peft=True, reward_funcs=exact_match_reward, **overrides):
+    return PPOTrainer(
+        model=default_model_dir,
+        reward_funcs=reward_funcs,
+        args=_args(tmp_path, **overrides),
+        train_dataset=addition_dataset("train", size=32),
+        peft_config=LORA if peft else None,
+    )
+
+
+def _base_storages(module) -> set[int]:
+    return {p.data_ptr() for n, p in module.named_parameters() if "lora_" not in n and "summary" not in n}
+
+
+def test_shared_base_critic_keeps_one_base_in_memory(default_model_dir, tmp_path):
+    base_count = len(list(AutoModelForCausalLM.from_pretrained(default_model_dir).parameters()))
+    shared = _trainer(default_model_dir, tmp_path / "shared", critic_mode="shared_base")
+    storages = _base_storages(shared.model) | _base_storages(shared.critic)
+    assert shared.ppo_ref_model is None  # reference = the base with adapters disabled
+    assert len(storages) == base_count  # actor, critic and reference: one base
+    assert {n.split(".")[-2] for n, _ in shared.model.named_parameters() if "lora_A" in n} == {"default", "critic"}
+    separate = _trainer(default_model_dir, tmp_path / "separate", critic_mode="separate")
+    storages = _base_storages(separate.model) | _base_storages(separate.critic.model)
+    assert len(storages) == 2 * base_count  # the separate critic is a second model
+
+
+def test_policy_optimizer_does_not_step_the_critic(default_model_dir, tmp_path):
+    trainer = _trainer(default_model_dir, tmp_path, critic_mode="shared_base")
+    trainer.create_optimizer()
+    policy_ids = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    critic_ids = {id(p) for p in trainer.critic.trainable_parameters()}
+    assert policy_ids and critic_ids and not policy_ids & critic_ids
+    assert {id(p) for g in trainer.critic_optimizer.param_groups for p in g["params"]} == critic_ids
+    assert all(p.requires_grad for p in trainer.critic.trainable_parameters())
+
+
+@pytest.mark.parametrize("critic_mode", ["separate", "shared_base"])
+def test_training_steps_policy_and_critic_and_logs_ppo_metrics(default_model_dir, tmp_path, critic_mode):
+    trainer = _trainer(
+        default_model_dir, tmp_path, critic_mode=critic_mode, steps_per_generation=2, num_iterations=2, max_steps=4
+    )
+    critic_before = [p.detach().clone() for p in trainer.critic.trainable_parameters()]
+    policy_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if ".default." in n}
+    trainer.train()
+    critic_after = trainer.critic.trainable_parameters()
+    assert any(not torch.equal(a, b) for a, b in zip(critic_before, critic_after, strict=True))
+    params = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(policy_before[n], params[n]) for n in policy_before)
+    for key in ("ppo/kl", "ppo/kl_coef", "ppo/returns_mean", "ppo/explained_variance", "ppo/value_loss"):
+        assert logged(trainer, key), key
+    for key in ("ppo/approx_kl", "ppo/value_clipfrac", "entropy", "clip_ratio/region_mean", "reward"):
+        assert logged(trainer, key), key
+    assert all(math.isfinite(v) for v in logged(trainer, "ppo/value_loss"))
+    assert len(logged(trainer, "ppo/kl")) == 1  # one rollout for 2 epochs x 2 mini-batches
+
+
+def test_full_finetuning_uses_a_frozen_reference_copy(default_model_dir, tmp_path):
+    trainer = _trainer(default_model_dir, tmp_path, peft=False)
+    ref = trainer.ppo_ref_model
+    assert ref is not None and not any(p.requires_grad for p in ref.parameters())
+    assert not _base_storages(ref) & _base_storages(trainer.model)
+    trainer.train()
+    initial = AutoModelForCausalLM.from_pretrained(default_model_dir).state_dict()
+    assert all(torch.equal(initial[k], v) for k, v in ref.state_dict().items())  # the reference never moves
+
+
+def test_early_stop_on_approximate_kl(default_model_dir, tmp_path):
+    trainer = _trainer(
+        default_model_dir,
+        tmp_path,
+        steps_per_generation=2,
+        num_iterations=2,
+        max_steps=4,
+        target_kl=1e-12,
+        learning_rate=1e-2,
+    )
+    trainer.train()
+    # The first mini-batch has the rollout's own policy (KL 0); after an update the KL exceeds the tiny target and
+    # the rest of the rollout is skipped, so a new rollout starts: more rollouts than the 1 of a full schedule.
+    assert 1.0 in logged(trainer, "ppo/early_stopped")
+    assert len(logged(trainer, "ppo/kl")) >= 2
+
+
+def test_reward_model_scores_the_last_real_token(default_model_dir, tmp_path):
+    """A sequence-classification reward model scores prompt + completion; padding must not move the score."""
+    reward_model = AutoModelForSequenceClassification.from_pretrained(default_model_dir, num_labels=1)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(reward_model.score.weight, std=1.0)
+    trainer = _trainer(default_model_dir, tmp_path, reward_funcs=[reward_model])
+    tokenizer = trainer.reward_processing_classes[0]
+    inputs = [dict(row) for row in addition_dataset("train", size=4)]
+    prompts = [row["prompt"] for row in inputs]
+    completions = [[{"role": "assistant", "content": text}] for text in ("12", "3", "100", "7")]
+    rewards = trainer._calculate_rewards(inputs, prompts, completions, [[1], [1], [1], [1]])[:, 0]
+    for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():  # unpadded: the model's own last position
+            alone = reward_model(**ids).logits[0, 0]
+        assert rewards[i].item() == pytest.approx(alone.item(), abs=1e-4)
+    assert len({round(r, 4) for r in rewards.tolist()}) > 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"beta": 0.04}, "Set beta=0 and use kl_coef"),
+        ({"kl_estimator": "k2"}, "kl_estimator must be"),
+        ({"critic_mode": "tied"}, "critic_mode must be"),
+        ({"lam": 1.5}, "gamma and lam must lie in"),
+    ],
+)
+def test_bad_config_is_refused(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _args(tmp_path, **overrides)
+
+
+def test_shared_base_needs_a_lora_policy(default_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="critic_mode='shared_base' adds a critic adapter to a LoRA policy"):
+        _trainer(default_model_dir, tmp_path, peft=False, critic_mode="shared_base")

@@ -1,0 +1,72 @@
+"""Per-token rewards, generalized advantage estimation and whitening over completion tokens (masked, batched).
+
+Shapes: ``(batch, completion_length)`` with a 0/1 ``mask`` of real completion tokens (right padding). Only response
+tokens carry rewards, values and advantages; padded positions come out as zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def per_token_kl(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """KL(pi || pi_ref) estimate per sampled token (Schulman's k1 / k3).
+
+    k1 = log pi - log pi_ref (unbiased, can be negative per token); k3 = (r - 1) - log r with r = pi_ref / pi
+    (unbiased, always >= 0, lower variance).
+    """
+    log_ratio = logps - ref_logps
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {estimator!r}.")
+
+
+def kl_penalty_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards: -kl_coef * KL on every completion token, plus the sequence score on its last real token
+    (Ziegler et al. 2019; the InstructGPT/TRL PPO recipe). A sequence with no real token gets nothing."""
+    rewards = -kl_coef * kl * mask
+    lengths = mask.sum(dim=1).long()
+    has_tokens = lengths > 0
+    last = (lengths - 1).clamp(min=0)
+    rows = torch.arange(scores.size(0), device=scores.device)
+    rewards[rows[has_tokens], last[has_tokens]] += scores[has_tokens].to(rewards.dtype)
+    return rewards
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over each row's real tokens; returns ``(advantages, returns)``.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t with V = 0 after the last real token (the episode ends there);
+    A_t = delta_t + gamma * lam * A_{t+1}; returns R_t = A_t + V_t.
+    """
+    rewards, values, mask = rewards * mask, values * mask, mask.to(values.dtype)
+    advantages = torch.zeros_like(values)
+    next_advantage = torch.zeros_like(values[:, 0])
+    next_value = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.size(1))):
+        real = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = advantage * real
+        # Padding after the last real token must not leak into it: carry zeros through padded positions.
+        next_advantage = advantage * real
+        next_value = values[:, t] * real
+    return advantages, (advantages + values) * mask
+
+
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """Normalize to zero mean and unit variance over the masked entries (unbiased variance); padding stays zero."""
+    mask = mask.to(values.dtype)
+    count = mask.sum()
+    mean = (values * mask).sum() / count
+    variance = (((values - mean) * mask) ** 2).sum() / (count - 1).clamp(min=1)
+    whitened = (values - mean) * torch.rsqrt(variance + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask

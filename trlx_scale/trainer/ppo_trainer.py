@@ -1,0 +1,297 @@
+"""``PPOTrainer``: actor-critic RLHF (PPO with GAE and a KL-penalized reward) on the trlx_scale GRPO machinery.
+
+TRL 1.16 has no PPOTrainer any more. This one subclasses ``trlx_scale.GRPOTrainer`` rather than TRL's base trainer
+because everything up to the advantages is the same in PPO: prompts repeated ``num_generations`` times, generation
+through the colocated vLLM engine (sleep/wake, LoRA-only sync) or HF generate, reward functions and reward models
+(TRL's GRPO scores sequence-classification models on prompt + completion), old-policy log-probs, the clipped policy
+loss with token or sequence (GSPO) ratios, ``num_iterations`` epochs over ``steps_per_generation`` mini-batches per
+rollout, logging, checkpointing and Hub push. PPO replaces two steps:
+
+- advantages: instead of group-normalized rewards, per-token rewards (the score on the last token, minus
+  ``kl_coef`` x KL(policy || reference) on every token) go through GAE with the critic's values, then whitening
+  (``trlx_scale.ppo.advantages``); TRL's loss takes ``(batch, tokens)`` advantages as they are;
+- loss: the critic's clipped value loss (``losses.clipped_value_loss``) is added with ``vf_coef``; the critic is
+  stepped by its own optimizer (``ppo_critic`` preset) right after the policy's.
+
+Roles: policy (the trainer's model), critic (``ppo.critic``: a separate model, or a second LoRA adapter on the policy's
+base), reference (the base with the adapter disabled for a LoRA policy, else a frozen copy), reward (``reward_funcs``:
+functions and/or sequence-classification models).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AutoModelForCausalLM, TrainerCallback
+from trl.trainer.utils import add_fused_lm_head
+
+from ..generation.weight_sync import is_peft_model
+from ..losses.value_loss import clipped_value_loss
+from ..optim.presets import get_preset
+from ..ppo.advantages import gae, kl_penalty_rewards, masked_whiten, per_token_kl
+from ..ppo.critic import SeparateCritic, SharedBaseCritic
+from ..ppo.kl_controller import AdaptiveKLController, FixedKLController
+from .grpo_trainer import GRPOTrainer
+from .ppo_config import PPOConfig
+
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+    from peft import PeftConfig
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+class PPOTrainer(GRPOTrainer):
+    """Proximal Policy Optimization with a critic, GAE and a KL-penalized reward (see the module docstring)."""
+
+    _tag_names = ["trl", "ppo", "trlx-scale"]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Any | list[Any] | None = None,
+        args: PPOConfig | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | None = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        peft_config: PeftConfig | None = None,
+        value_model: PreTrainedModel | None = None,
+        ref_model: PreTrainedModel | None = None,
+    ):
+        if args is None or not isinstance(args, PPOConfig):
+            raise ValueError("PPOTrainer needs args=PPOConfig(...) (the critic, GAE and KL fields live there).")
+        if reward_funcs is None:
+            raise ValueError("PPOTrainer needs reward_funcs: reward functions and/or a sequence-classification model.")
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+        )
+        self.kl_controller = (
+            AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
+            if args.adaptive_kl
+            else FixedKLController(args.kl_coef)
+        )
+        self.critic = self._build_critic(value_model)
+        self.ppo_ref_model = self._build_reference(ref_model)
+        self.critic_optimizer = self._build_critic_optimizer()
+        self.add_callback(_StepCriticWithPolicy(self))
+        self._stashed_rewards: torch.Tensor | None = None
+        self._capture_logps = False
+        self._captured_logps: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ roles
+
+    def _policy(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def _build_critic(self, value_model):
+        args, policy = self.args, self._policy()
+        device = self.accelerator.device
+        if args.critic_mode == "shared_base":
+            if value_model is not None or not is_peft_model(policy):
+                raise ValueError(
+                    "critic_mode='shared_base' adds a critic adapter to a LoRA policy: pass peft_config (or a "
+                    "PeftModel) and no value_model, or use critic_mode='separate'."
+                )
+            return SharedBaseCritic(policy, policy.peft_config[policy.active_adapter]).to(device)
+        if value_model is None:
+            source = args.value_model_name_or_path or policy.config._name_or_path
+            value_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        if args.critic_use_peft:
+            if not is_peft_model(policy):
+                raise ValueError("critic_use_peft reuses the policy's LoRA config: give the policy a peft_config.")
+            from peft import get_peft_model
+
+            value_model = get_peft_model(value_model, policy.peft_config[policy.active_adapter])
+        return SeparateCritic(value_model).to(device)
+
+    def _build_reference(self, ref_model):
+        """None for a LoRA policy (its base, adapters disabled, is the reference); else a frozen copy."""
+        if is_peft_model(self._policy()):
+            if ref_model is not None:
+                raise ValueError("A LoRA policy's reference is its base (adapter disabled): drop ref_model.")
+            return None
+        if ref_model is None:
+            ref_model = AutoModelForCausalLM.from_pretrained(
+                self._policy().config._name_or_path, dtype=self._policy().dtype
+            )
+        add_fused_lm_head(ref_model, temperature=self.temperature)
+        ref_model.requires_grad_(False).eval()
+        return ref_model.to(self.accelerator.device)
+
+    def _build_critic_optimizer(self) -> torch.optim.Optimizer:
+        preset = get_preset("ppo_critic")
+        learning_rate = self.args.critic_learning_rate or preset.learning_rate
+        return torch.optim.AdamW(
+            self.critic.trainable_parameters(),
+            lr=learning_rate,
+            betas=(preset.adam_beta1, preset.adam_beta2),
+            eps=preset.adam_epsilon,
+            weight_decay=preset.weight_decay,
+        )
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        # The policy's optimizer must not step the critic adapter (shared_base): hide it while the optimizer is built.
+        hidden = self.critic.adapter_parameters() if isinstance(self.critic, SharedBaseCritic) else []
+        for param in hidden:
+            param.requires_grad_(False)
+        try:
+            return super().create_optimizer(model)
+        finally:
+            for param in hidden:
+                param.requires_grad_(True)
+
+    # ------------------------------------------------------------------ rollout: rewards, KL, values, GAE
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._stashed_rewards = rewards_per_func  # all processes' rows, as TRL gathers them
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return output
+        args, mode = self.args, "train"
+        rows = output["completion_ids"].size(0)
+        start = self.accelerator.process_index * rows
+        weights = self.reward_weights.to(self._stashed_rewards.device)
+        scores = (self._stashed_rewards * weights).nansum(dim=1)[start : start + rows]
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        mask = output["completion_mask"].float()
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        length = output["completion_ids"].size(1)
+        with torch.no_grad():
+            if output.get("old_per_token_logps") is None:
+                output["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, length, args.per_device_train_batch_size
+                )[0]
+            ref_logps = self._reference_logps(input_ids, attention_mask, length)
+            values = self._values(input_ids, attention_mask, length)
+        kl = per_token_kl(output["old_per_token_logps"], ref_logps, args.kl_estimator) * mask
+        rewards = kl_penalty_rewards(scores.to(kl.dtype), kl, self.kl_controller.value, mask)
+        advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
+        raw_advantages = advantages
+        if args.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        output["advantages"], output["returns"], output["old_values"] = advantages, returns, values
+
+        # Controller update on the mean per-sequence KL of every process's rollouts.
+        sequence_kl = self.accelerator.gather(kl.sum(dim=1))
+        kl_coef = self.kl_controller.value
+        self.kl_controller.update(sequence_kl.mean().item(), sequence_kl.numel())
+        count = mask.sum().clamp(min=1)
+        explained = _explained_variance(values, returns, mask)
+        metrics = {
+            "ppo/score_mean": scores.float().mean(),
+            "ppo/kl": sequence_kl.mean(),
+            "ppo/kl_coef": torch.tensor(kl_coef),
+            "ppo/returns_mean": (returns * mask).sum() / count,
+            "ppo/advantages_mean": (raw_advantages * mask).sum() / count,
+            "ppo/values_mean": (values * mask).sum() / count,
+            "ppo/explained_variance": explained,
+        }
+        for key, value in metrics.items():
+            self._metrics[mode][key].append(self.accelerator.gather(value.float().reshape(1)).mean().item())
+        return output
+
+    def _reference_logps(self, input_ids, attention_mask, length) -> torch.Tensor:
+        batch_size = self.args.per_device_train_batch_size
+        if self.ppo_ref_model is not None:
+            return self._get_per_token_logps_and_entropies(
+                self.ppo_ref_model, input_ids, attention_mask, length, batch_size
+            )[0]
+        with self._policy().disable_adapter():  # every adapter off: the base model
+            return self._get_per_token_logps_and_entropies(self.model, input_ids, attention_mask, length, batch_size)[
+                0
+            ]
+
+    def _values(self, input_ids, attention_mask, length) -> torch.Tensor:
+        """V before each completion token: the value at the position that precedes it."""
+        return self.critic.values(input_ids, attention_mask)[:, -length - 1 : -1]
+
+    # ------------------------------------------------------------------ loss: policy (TRL) + value
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
+        if self._capture_logps:
+            self._captured_logps = logps.detach()
+        return logps, entropies, aux
+
+    def _compute_loss(self, model, inputs):
+        self._capture_logps = True
+        try:
+            policy_loss = super()._compute_loss(model, inputs)
+        finally:
+            self._capture_logps = False
+        mode = "train" if self.model.training else "eval"
+        if mode == "eval" or "returns" not in inputs:
+            return policy_loss
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        mask = inputs["completion_mask"].float()
+        length = inputs["completion_ids"].size(1)
+        values = self._values(input_ids, attention_mask, length)
+        value_loss, value_clip = clipped_value_loss(
+            values, inputs["old_values"], inputs["returns"], mask, self.args.cliprange_value
+        )
+        count = mask.sum().clamp(min=1)
+        approx_kl = 0.5 * (((self._captured_logps - inputs["old_per_token_logps"]) ** 2) * mask).sum() / count
+        for key, value in (("value_loss", value_loss), ("value_clipfrac", value_clip), ("approx_kl", approx_kl)):
+            self._metrics[mode][f"ppo/{key}"].append(self.accelerator.gather(value.detach().reshape(1)).mean().item())
+        target = self.args.target_kl
+        stop = target is not None and self.accelerator.gather(approx_kl.detach().reshape(1)).mean() > 1.5 * target
+        if stop:
+            # This mini-batch still counts; the rest of the rollout's epochs are skipped: TRL regenerates when its
+            # buffer is empty.
+            self._buffered_inputs = None
+        self._metrics[mode]["ppo/early_stopped"].append(float(stop))
+        scale = self.current_gradient_accumulation_steps
+        return policy_loss + self.args.vf_coef * value_loss / scale
+
+    def _step_critic(self) -> None:
+        params = self.critic.trainable_parameters()
+        if self.accelerator.num_processes > 1:
+            for param in params:  # the critic is outside DDP: average its gradients by hand
+                if param.grad is not None:
+                    torch.distributed.all_reduce(param.grad)
+                    param.grad /= self.accelerator.num_processes
+        torch.nn.utils.clip_grad_norm_(params, get_preset("ppo_critic").max_grad_norm)
+        self.critic_optimizer.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+
+
+class _StepCriticWithPolicy(TrainerCallback):
+    """Steps the critic's optimizer right after each policy optimizer step (same gradient accumulation)."""
+
+    def __init__(self, trainer: PPOTrainer):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._step_critic()
+
+
+def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over the masked tokens (1: perfect critic, <= 0: useless)."""
+    count = mask.sum().clamp(min=2)
+
+    def variance(x):
+        mean = (x * mask).sum() / count
+        return (((x - mean) * mask) ** 2).sum() / (count - 1)
+
+    return 1 - variance(returns - values) / variance(returns).clamp(min=1e-8)
