@@ -9,7 +9,7 @@ import trl
 from trl.generation.vllm_generation import VLLMGeneration
 
 import trlx_scale
-from trlx_scale import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+from trlx_scale import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
 
 # Methods a trlx_scale class defines that its TRL parent does not have (new API, not overrides).
@@ -24,6 +24,15 @@ NEW_METHODS = {
         "_shared_prefix_logps",
     },
     DPOTrainer: {"_colocated_engine", "_online_round"},
+    PPOTrainer: {
+        "_policy",
+        "_build_critic",
+        "_build_reference",
+        "_build_critic_optimizer",
+        "_reference_logps",
+        "_values",
+        "_step_critic",
+    },
     ColocatedVLLMGeneration: {
         "llm_kwargs",
         "_quantization",
@@ -41,7 +50,7 @@ def _parameters(func):
     return [(p.name, p.kind, p.default) for p in inspect.signature(func).parameters.values()]
 
 
-CONFIGS = ((GRPOConfig, trl.GRPOConfig), (DPOConfig, trl.DPOConfig))
+CONFIGS = ((GRPOConfig, trl.GRPOConfig), (DPOConfig, trl.DPOConfig), (PPOConfig, trl.GRPOConfig))
 
 
 def test_public_names():
@@ -78,7 +87,12 @@ def test_added_config_fields_have_help(ours_cls, trl_cls):
 
 
 def test_overridden_methods_exist_upstream_with_the_same_signature():
-    pairs = ((GRPOTrainer, trl.GRPOTrainer), (DPOTrainer, trl.DPOTrainer), (ColocatedVLLMGeneration, VLLMGeneration))
+    pairs = (
+        (GRPOTrainer, trl.GRPOTrainer),
+        (DPOTrainer, trl.DPOTrainer),
+        (PPOTrainer, trl.GRPOTrainer),
+        (ColocatedVLLMGeneration, VLLMGeneration),
+    )
     for ours, parent in pairs:
         for name, member in vars(ours).items():
             if not callable(member) or name.startswith("__"):

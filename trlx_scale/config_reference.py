@@ -15,8 +15,13 @@ import trl
 
 from .trainer.dpo_config import DPOConfig
 from .trainer.grpo_config import GRPOConfig
+from .trainer.ppo_config import PPOConfig
 
-CONFIGS: list[tuple[type, type]] = [(GRPOConfig, trl.GRPOConfig), (DPOConfig, trl.DPOConfig)]
+CONFIGS: list[tuple[type, type]] = [
+    (GRPOConfig, trl.GRPOConfig),
+    (PPOConfig, trl.GRPOConfig),
+    (DPOConfig, trl.DPOConfig),
+]
 
 
 def _declared_annotation(config_class: type, name: str) -> Any:

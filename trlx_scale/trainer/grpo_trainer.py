@@ -165,6 +165,8 @@ class GRPOTrainer(MasterWeightsMixin, TRLGRPOTrainer):
                 mm_token_type_ids=mm_token_type_ids,
                 image_position_ids=image_position_ids,
             )
+        if getattr(self, "_logps_sink", None) is not None:  # a subclass asked for the pass's log-probs (PPO's KL)
+            self._logps_sink.append(logps.detach())
         inputs = getattr(self, "_sequence_token_inputs", None)
         if inputs is None:
             return logps, entropies, aux_loss

@@ -87,8 +87,6 @@ class PPOTrainer(GRPOTrainer):
         self.critic_optimizer = self._build_critic_optimizer()
         self.add_callback(_StepCriticWithPolicy(self))
         self._stashed_rewards: torch.Tensor | None = None
-        self._capture_logps = False
-        self._captured_logps: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ roles
 
@@ -225,20 +223,13 @@ class PPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ loss: policy (TRL) + value
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        logps, entropies, aux = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-        )
-        if self._capture_logps:
-            self._captured_logps = logps.detach()
-        return logps, entropies, aux
-
     def _compute_loss(self, model, inputs):
-        self._capture_logps = True
+        self._logps_sink = []  # GRPOTrainer hands the loss pass's log-probs over (for the approximate KL)
         try:
             policy_loss = super()._compute_loss(model, inputs)
+            current_logps = torch.cat(self._logps_sink)
         finally:
-            self._capture_logps = False
+            self._logps_sink = None
         mode = "train" if self.model.training else "eval"
         if mode == "eval" or "returns" not in inputs:
             return policy_loss
@@ -251,7 +242,7 @@ class PPOTrainer(GRPOTrainer):
             values, inputs["old_values"], inputs["returns"], mask, self.args.cliprange_value
         )
         count = mask.sum().clamp(min=1)
-        approx_kl = 0.5 * (((self._captured_logps - inputs["old_per_token_logps"]) ** 2) * mask).sum() / count
+        approx_kl = 0.5 * (((current_logps - inputs["old_per_token_logps"]) ** 2) * mask).sum() / count
         for key, value in (("value_loss", value_loss), ("value_clipfrac", value_clip), ("approx_kl", approx_kl)):
             self._metrics[mode][f"ppo/{key}"].append(self.accelerator.gather(value.detach().reshape(1)).mean().item())
         target = self.args.target_kl
