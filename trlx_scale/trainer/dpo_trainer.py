@@ -92,6 +92,11 @@ class DPOTrainer(MasterWeightsMixin, TRLDPOTrainer):
         reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs or [])
         if self._online and not reward_funcs:
             raise ValueError("online=True ranks sampled completions with reward_funcs: pass reward_funcs=[...].")
+        if self._online and eval_dataset is not None:
+            raise ValueError(
+                "online=True trains on pairs sampled each step and has no preference pairs to evaluate; drop "
+                "eval_dataset and measure the policy by generation (as examples/dpo.py does)."
+            )
         if reward_funcs and not self._online:
             raise ValueError("reward_funcs is used by online DPO only: set online=True in DPOConfig or drop them.")
         self.reward_funcs = reward_funcs
