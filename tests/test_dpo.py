@@ -119,6 +119,20 @@ def test_vllm_reference_log_probs_match_the_hf_reference(default_model_dir, tmp_
     assert math.isclose(trainer.state.log_history[0]["loss"], math.log(2), rel_tol=1e-3)  # policy == reference
 
 
+def test_vllm_reference_of_a_lora_policy_is_its_base(default_model_dir, tmp_path):
+    """LoRA policy: the engine scores the base (merged fresh adapter), equal to TRL's adapter-disabled reference."""
+    trainer = DPOTrainer(
+        model=default_model_dir,
+        args=_args(DPOConfig, tmp_path, vllm_ref_log_probs=True, vllm_dtype="float32"),
+        train_dataset=addition_preference_dataset("train", size=16),
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+    )
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    hf_chosen, _ = trainer.compute_ref_log_probs(trainer.model, trainer.data_collator(rows))
+    vllm_chosen = torch.tensor([row["ref_chosen_logps"] for row in rows], dtype=hf_chosen.dtype)
+    torch.testing.assert_close(vllm_chosen, hf_chosen, rtol=0, atol=1e-3)
+
+
 def test_completion_logprob_sums_counts_exactly_the_completion_tokens():
     class FakeScorer:
         def sequence_logprobs(self, sequences, use_adapter=False):

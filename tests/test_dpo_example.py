@@ -27,5 +27,5 @@ def test_dpo_example_improves_held_out_accuracy(tmp_path, mode):
     _run([ACCELERATE, "launch", "--num_processes", "1", EXAMPLE, *flags, "--output_dir", str(out)], timeout=1800)
     summary = _summary(out)
     gain = summary["accuracy_after"] - summary["accuracy_before"]
-    assert gain >= 0.03, summary  # measured: see docs/dpo.md
+    assert gain >= 0.03, summary  # measured on 300 held-out: offline +8.7, online +10.7 points (docs/benchmarks.md)
     assert (out / "adapter_model.safetensors").is_file() and "trlx-scale" in (out / "README.md").read_text()

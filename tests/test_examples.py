@@ -95,4 +95,4 @@ def test_default_run_improves_held_out_accuracy(tmp_path):
     _run([ACCELERATE, "launch", "--num_processes", "1", EXAMPLE, "--output_dir", str(out)], timeout=1800)
     summary = _summary(out)
     gain = summary["accuracy_after"] - summary["accuracy_before"]
-    assert gain >= 0.04, summary  # measured: +9.9 points (41.3% -> 51.2%)
+    assert gain >= 0.04, summary  # measured: +9.8 points (41.3% -> 51.2%, shared_prefix on)

@@ -25,5 +25,5 @@ def test_ppo_example_improves_held_out_accuracy(tmp_path):
     _run([ACCELERATE, "launch", "--num_processes", "1", EXAMPLE, "--output_dir", str(out)], timeout=2400)
     summary = _summary(out)
     gain = summary["accuracy_after"] - summary["accuracy_before"]
-    assert gain >= 0.03, summary  # measured: see docs/benchmarks.md
+    assert gain >= 0.03, summary  # measured on 300 held-out: +11.3 points (docs/benchmarks.md)
     assert (out / "adapter_model.safetensors").is_file() and "trlx-scale" in (out / "README.md").read_text()

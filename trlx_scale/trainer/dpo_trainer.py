@@ -157,7 +157,10 @@ class DPOTrainer(MasterWeightsMixin, TRLDPOTrainer):
                 logprobs=0,
                 dtype=args.engine_dtype(),
                 enforce_eager=args.vllm_enforce_eager,
-                sync_mode=args.vllm_sync_mode,
+                # Reference scoring pushes the (merged) weights instead of serving an adapter: vLLM 0.32's CPU LoRA
+                # logits path breaks prompt_logprobs (einsum size mismatch in punica_cpu.bgmv_shrink) even for
+                # requests without an adapter, and the reference of a fresh adapter is its base anyway.
+                sync_mode=args.vllm_sync_mode if self._online else "full",
                 sleep_level=args.vllm_sleep_level,
                 sync_bucket_mb=args.vllm_sync_bucket_mb,
             )
