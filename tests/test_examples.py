@@ -13,8 +13,15 @@ EXAMPLE = os.path.join(REPO_ROOT, "examples", "grpo.py")
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 
 
+# torch.distributed variables a colocated engine earlier in this pytest process exported (and whose port that process
+# still holds): a launched example must pick its own, or its process group fails with EADDRINUSE.
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
 def _run(command, timeout):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    for name in LAUNCH_VARIABLES:
+        env.pop(name, None)
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result
