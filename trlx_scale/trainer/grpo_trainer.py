@@ -193,6 +193,10 @@ class GRPOTrainer(MasterWeightsMixin, TRLGRPOTrainer):
     def _shared_prefix_blocker(self, model, auto: bool) -> str | None:
         if getattr(self.args, "use_liger_kernel", False):
             return "use_liger_kernel computes the loss in a fused kernel from the full rows' hidden states"
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            # Sharded parameters are gathered by collectives inside every forward, so all ranks must run the same
+            # forwards; whether a chunk has a repeated prompt (shared pass: two forwards) differs between ranks.
+            return "parameters are sharded (DeepSpeed/FSDP), where every rank must run the same forward passes"
         if auto and self.num_generations == 1:
             return "num_generations=1, so no prompt is repeated in a batch"
         return unsupported_reason(self.accelerator.unwrap_model(model))
