@@ -4,6 +4,7 @@ trlx-scale accelerate-config --nodes 2 --gpus-per-node 8 --backend zero3 --outpu
 trlx-scale accelerate-config --nodes 1 --gpus-per-node 4 --backend fsdp2 --vllm-tensor-parallel-size 3
     -> error: vllm_tensor_parallel_size (3) must divide gpus_per_node (4) ...
 trlx-scale build-default-model --output /tmp/model
+trlx-scale plan --params 7e9 --layers 32 --hidden 4096 --heads 32 --algo grpo --lora-rank 16 --gpus-per-node 1 --gpu a100-80
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 
 from .launch_config import BACKENDS, MAIN_NODE_IP_PLACEHOLDER, LaunchPlan
+from .planning.command import add_plan_parser
 
 
 def _accelerate_config(args: argparse.Namespace) -> int:
@@ -62,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     config = commands.add_parser("accelerate-config", help="write a checked Accelerate config for N nodes x G GPUs")
     config.add_argument("--nodes", type=int, default=1, help="number of nodes (machines)")
     config.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (= training processes) per node")
-    config.add_argument("--backend", choices=BACKENDS, default="ddp", help="data parallelism: ddp, fsdp2 or zero3")
+    config.add_argument(
+        "--backend", choices=BACKENDS, default="ddp", help="data parallelism: ddp, fsdp2, zero2 or zero3"
+    )
     config.add_argument("--offload", action="store_true", help="CPU offload (fsdp2: params; zero3: optimizer)")
     config.add_argument("--vllm-tensor-parallel-size", type=int, default=1, help="GPUs per colocated vLLM engine")
     config.add_argument("--per-device-train-batch-size", type=int, default=8, help="checked against the groups")
@@ -72,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--main-process-port", type=int, default=29500)
     config.add_argument("--output", default="-", help="file to write (atomically); '-' for standard output")
     config.set_defaults(handler=_accelerate_config)
+
+    add_plan_parser(commands)
 
     model = commands.add_parser("build-default-model", help="rebuild the embedded default model (~2-5 min on CPU)")
     model.add_argument("--output", required=True)

@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-BACKENDS = ("ddp", "fsdp2", "zero3")
+BACKENDS = ("ddp", "fsdp2", "zero2", "zero3")
 MAIN_NODE_IP_PLACEHOLDER = "MAIN_NODE_IP"  # replaced per cluster; the Slurm script fills it from the node list
 
 # Comments written next to the keys of a generated YAML.
 KEY_COMMENTS = {
-    "distributed_type": "DDP: MULTI_GPU; FSDP2: FSDP; ZeRO-3: DEEPSPEED",
+    "distributed_type": "DDP: MULTI_GPU; FSDP2: FSDP; ZeRO-2/3: DEEPSPEED",
     "num_processes": "total training processes over all nodes = nodes x GPUs per node (one vLLM engine per GPU)",
     "num_machines": "nodes",
     "machine_rank": "SET PER NODE: 0 on the main node, 1..N-1 on the others (Slurm: $SLURM_NODEID)",
@@ -35,7 +35,7 @@ KEY_COMMENTS = {
     "fsdp_cpu_ram_efficient_loading": "only rank 0 reads the checkpoint, others receive it by broadcast",
     "fsdp_activation_checkpointing": "off here: use the trainer's gradient_checkpointing, which TRL manages",
     "fsdp_auto_wrap_policy": "one FSDP unit per decoder layer",
-    "zero_stage": "parameters, gradients and optimizer states sharded",
+    "zero_stage": "3: parameters, gradients and optimizer states sharded; 2: gradients and optimizer states",
     "offload_optimizer_device": "cpu: Adam states in host RAM (slower steps, much less GPU memory)",
     "offload_param_device": "parameters stay on GPU (vLLM colocated needs them there for weight sync)",
     "zero3_init_flag": "construct the model already partitioned",
@@ -71,7 +71,7 @@ class LaunchPlan:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
         if self.offload and self.backend == "ddp":
-            raise ValueError("offload needs a sharded backend: use --backend fsdp2 or --backend zero3.")
+            raise ValueError("offload needs a sharded backend: use --backend fsdp2, zero2 or zero3.")
         tp = self.vllm_tensor_parallel_size
         if tp < 1 or self.gpus_per_node % tp != 0:
             raise ValueError(
@@ -113,12 +113,14 @@ class LaunchPlan:
             }
         else:
             config["distributed_type"] = "DEEPSPEED"
+            stage3 = self.backend == "zero3"
             config["deepspeed_config"] = {
-                "zero_stage": 3,
+                "zero_stage": 3 if stage3 else 2,
                 "offload_optimizer_device": "cpu" if self.offload else "none",
                 "offload_param_device": "none",
-                "zero3_init_flag": True,
-                "zero3_save_16bit_model": True,
+                # ZeRO-2 keeps whole parameters on every GPU: nothing to construct partitioned or to gather on save.
+                "zero3_init_flag": stage3,
+                "zero3_save_16bit_model": stage3,
                 "gradient_clipping": 1.0,
             }
             if self.nodes > 1:
@@ -187,6 +189,7 @@ SHIPPED_CONFIGS: dict[str, LaunchPlan] = {
     "ddp.yaml": LaunchPlan(nodes=1, gpus_per_node=8, backend="ddp"),
     "fsdp2.yaml": LaunchPlan(nodes=1, gpus_per_node=8, backend="fsdp2"),
     "fsdp2_offload.yaml": LaunchPlan(nodes=1, gpus_per_node=8, backend="fsdp2", offload=True),
+    "zero2.yaml": LaunchPlan(nodes=1, gpus_per_node=8, backend="zero2"),
     "zero3.yaml": LaunchPlan(nodes=1, gpus_per_node=8, backend="zero3"),
     "zero3_offload.yaml": LaunchPlan(nodes=1, gpus_per_node=8, backend="zero3", offload=True),
     "multinode_fsdp2.yaml": LaunchPlan(nodes=2, gpus_per_node=8, backend="fsdp2"),

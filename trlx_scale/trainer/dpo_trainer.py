@@ -30,6 +30,7 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.weight_sync import is_peft_model
+from ..planning.trainer_memory import PlannedMemoryMixin
 from .dpo_config import DPOConfig
 from .master_weights_setup import MasterWeightsMixin
 from .preference_pairs import best_worst_pairs, completion_logprob_sums
@@ -53,7 +54,7 @@ logger = logging.get_logger(__name__)
 REF_SCORING_CHUNK = 512
 
 
-class DPOTrainer(MasterWeightsMixin, TRLDPOTrainer):
+class DPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
     """Direct Preference Optimization, as [`trl.DPOTrainer`], with trlx_scale's options.
 
     The constructor takes TRL's arguments in TRL's order (a contract test compares the signatures) and one more,
@@ -167,6 +168,19 @@ class DPOTrainer(MasterWeightsMixin, TRLDPOTrainer):
         return self._engine
 
     # ------------------------------------------------------------------ reference log-probs from vLLM
+
+    # What the memory planner needs to know of this run (trlx_scale.planning.trainer_memory).
+    def _planner_algorithm(self) -> str:
+        return "online-dpo" if self._online else "dpo"
+
+    def _planner_engine(self):
+        return self._engine
+
+    def _planner_num_generations(self) -> int:
+        return getattr(self.args, "online_num_generations", 2) if self._online else 2
+
+    def _planner_extra_roles(self) -> dict:
+        return {"reference": self.ref_model is not None}
 
     def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
         if not self._vllm_ref:

@@ -19,6 +19,7 @@ from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.optimizer_offload import OptimizerStateOffloader
 from ..losses.policy_losses import log_importance_weights
+from ..planning.trainer_memory import PlannedMemoryMixin
 from ..prefix.shared_prefix import shared_prefix_logps, shared_token_ratio, unsupported_reason
 from .grpo_config import GRPOConfig
 from .master_weights_setup import MasterWeightsMixin
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 
-class GRPOTrainer(MasterWeightsMixin, TRLGRPOTrainer):
+class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
     """Group Relative Policy Optimization, as [`trl.GRPOTrainer`], with trlx_scale's scaling features.
 
     The constructor mirrors TRL's argument for argument (a contract test compares the signatures), so a script
@@ -265,6 +266,9 @@ class GRPOTrainer(MasterWeightsMixin, TRLGRPOTrainer):
             sleep_level=getattr(args, "vllm_sleep_level", "auto"),
             sync_bucket_mb=getattr(args, "vllm_sync_bucket_mb", 256.0),
         )
+
+    def _planner_extra_roles(self) -> dict:
+        return {"reference": self.beta != 0.0}  # TRL builds a reference model only for a KL term
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         offloader = None

