@@ -28,7 +28,19 @@ _LAZY = {
     "default_model_path": ".models.default_model",
 }
 
-__all__ = sorted([*_LAZY, "__version__"])
+__all__ = [
+    "DPOConfig",
+    "DPOTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "PPOConfig",
+    "PPOTrainer",
+    "__version__",
+    "addition_dataset",
+    "addition_preference_dataset",
+    "default_model_path",
+    "exact_match_reward",
+]
 
 if TYPE_CHECKING:
     from .data.addition import addition_dataset, addition_preference_dataset, exact_match_reward
