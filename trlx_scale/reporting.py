@@ -19,6 +19,9 @@ class RunSummary:
     reward_last: float | None = None
     sync_logprob_gap_max: float | None = None
     sync_bytes_last: float | None = None
+    # The planner's peak for this run and the measured one (rank 0's; host RAM on CPU, the GPU's on CUDA).
+    memory_planned_peak_gib: float | None = None
+    memory_measured_peak_gib: float | None = None
 
     def read_log_history(self, log_history: list[dict], global_step: int, reward_key: str = "reward") -> None:
         """Take the first and last logged mean reward from a Trainer's ``state.log_history``."""
@@ -30,6 +33,12 @@ class RunSummary:
         self.sync_logprob_gap_max = max(gaps) if gaps else None
         sent = [entry["sync/bytes"] for entry in log_history if "sync/bytes" in entry]
         self.sync_bytes_last = sent[-1] if sent else None
+        planned = [entry["memory/planned_peak_gib"] for entry in log_history if "memory/planned_peak_gib" in entry]
+        self.memory_planned_peak_gib = planned[-1] if planned else None
+        measured_key = "memory/peak_device_gib" if any("memory/peak_device_gib" in e for e in log_history) else None
+        measured_key = measured_key or "memory/peak_host_gib"
+        measured = [entry[measured_key] for entry in log_history if measured_key in entry]
+        self.memory_measured_peak_gib = measured[-1] if measured else None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,5 +70,10 @@ class RunSummary:
             lines.append(f"gain             {100 * (self.accuracy_after - self.accuracy_before):+.1f} points")
         if self.sync_logprob_gap_max is not None:
             lines.append(f"vLLM sync        max log-prob gap {self.sync_logprob_gap_max:.1e} (staleness check)")
+        if self.memory_planned_peak_gib is not None and self.memory_measured_peak_gib is not None:
+            lines.append(
+                f"peak memory      {self.memory_measured_peak_gib:.2f} GiB measured, "
+                f"{self.memory_planned_peak_gib:.2f} GiB planned (trlx-scale plan)"
+            )
         lines.append("=" * 60)
         return "\n".join(lines)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -281,6 +282,8 @@ def write_launch_files(args: argparse.Namespace, report: PlanReport) -> dict:
         raise ValueError("nothing fits, so there is no configuration to write; see the tables.")
     lay, run = rec.layout, report.run
     grouped = run.algo in ("grpo", "ppo", "online-dpo")
+    # The smallest accumulation that makes each generation batch hold whole groups of num_generations.
+    accumulation = run.num_generations // math.gcd(run.num_generations, run.micro_batch * lay.gpus) if grouped else 1
     launch = LaunchPlan(
         nodes=lay.nodes,
         gpus_per_node=lay.gpus_per_node,
@@ -290,6 +293,7 @@ def write_launch_files(args: argparse.Namespace, report: PlanReport) -> dict:
         # Only the GRPO-style group check reads these; an offline DPO batch has no groups to complete.
         per_device_train_batch_size=run.micro_batch if grouped else 2,
         num_generations=run.num_generations if grouped else 2,
+        gradient_accumulation_steps=accumulation,
     )
     text = launch.to_yaml()
     os.makedirs(args.write, exist_ok=True)
@@ -302,6 +306,8 @@ def write_launch_files(args: argparse.Namespace, report: PlanReport) -> dict:
     ]
     if run.algo == "online-dpo":
         flags.insert(0, "--online")
+    if accumulation > 1:
+        flags.append(f"--gradient_accumulation_steps {accumulation}")
     if run.algo in ("grpo", "ppo"):
         flags.append(f"--num_generations {run.num_generations}")
         flags.append(f"--max_completion_length {run.completion_length}")

@@ -84,6 +84,7 @@ class RunSpec:
     trainable_params: int | None = None  # counted by a live trainer (else: all, or the LoRA formula)
     compute_bytes: int | None = None  # activation dtype (else: by precision)
     sharded_roles: bool = False  # PPO reference and critic prepared like the policy (instead of replicas)
+    zero3_init: bool = True  # ZeRO-3 builds the model partitioned (zero3_init_flag); off: each rank loads it whole
 
     def validate(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -222,7 +223,11 @@ def state_bytes_per_param(precision: str, backend: str) -> tuple[int, int, int, 
     weights, grads, masters, moments = STATE_BYTES[precision]
     if backend == "fsdp2" and masters:
         # MixedPrecisionPolicy: the sharded fp32 parameters are the masters, gradients are reduced and kept in fp32.
-        return weights + masters, 4, 0, moments
+        return masters, 4, 0, moments  # no persistent bf16 copy: bf16 exists only while gathered
+    if backend in ("zero2", "zero3") and not masters:
+        # DeepSpeed's ZeRO optimizer always keeps an fp32 flat copy of its partition (fp32_partitioned_groups_flat),
+        # also when the model itself is fp32.
+        return weights, grads, 4, moments
     return weights, grads, masters, moments
 
 
@@ -262,8 +267,19 @@ def activation_bytes(
     return layers * compute_bytes + logits
 
 
-def gathered_working_set(model: ModelShape, compute_bytes: int) -> float:
-    """ZeRO-3 / FSDP2: the layer being computed and the one prefetched, gathered whole, plus the largest tensor."""
+# DeepSpeed's default `stage3_max_live_parameters` (DeepSpeed config docs): parameters it keeps gathered at once.
+ZERO3_MAX_LIVE_PARAMETERS = 1e9
+
+
+def gathered_working_set(model: ModelShape, compute_bytes: int, backend: str) -> float:
+    """Parameters gathered whole during a forward/backward of a sharded model.
+
+    FSDP2 (reshard_after_forward): the layer being computed and the one prefetched, plus the largest tensor.
+    ZeRO-3: DeepSpeed releases a gathered parameter only beyond `stage3_max_live_parameters` (default 1e9) or its
+    reuse distance (default 1e9), so up to min(P, 1e9) parameters stay gathered.
+    """
+    if backend == "zero3":
+        return min(model.total_params, ZERO3_MAX_LIVE_PARAMETERS) * compute_bytes
     return (2 * model.layer_params + model.largest_param) * compute_bytes
 
 
@@ -331,11 +347,17 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
         + (", checkpointed" if run.gradient_checkpointing else ", no checkpointing"),
     )
     if backend in ("zero3", "fsdp2"):
+        gathered = gathered_working_set(model, compute, backend)
+        rule = "min(P, stage3_max_live_parameters=1e9)" if backend == "zero3" else "2 layers + embedding"
+        add("gathered parameters (sharded)", gathered, generation=0.0, formula=rule)
+    if backend == "zero3" and not run.zero3_init:
+        # zero3_init_flag off: every rank loads the whole model before DeepSpeed partitions it; the allocator keeps
+        # that memory (host: the C heap; GPU: the caching allocator's reserved blocks).
+        models = 1 + (1 if run.has_reference and not lora else 0)
         add(
-            "gathered layers (sharded)",
-            gathered_working_set(model, compute),
-            generation=0.0,
-            formula="2 layers + embedding",
+            "full load before partitioning",
+            models * total * compute,
+            formula=f"{models} model(s) x {total:.3g} x {compute} B (zero3_init_flag off)",
         )
 
     # Reference and reward models.
@@ -343,6 +365,8 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
         # PPO's full-FT reference is a replica in this version (unless planning sharded roles); TRL's are prepared.
         replica = run.algo == "ppo" and not run.sharded_roles
         ref = frozen_copy(total, compute, backend, gpus, sharded_like_policy=not replica)
+        if not replica and backend == "zero3":
+            ref += gathered_working_set(model, compute, backend)  # its forward gathers like the policy's
         add("reference", ref, formula=f"{total:.3g} x {compute} B" + (" (replica)" if replica else f" / {shard_all}"))
         if replica and backend in ("zero3", "fsdp2"):
             notes.append("PPO's full-fine-tuning reference is a replica on every GPU in this version (not sharded).")

@@ -138,15 +138,20 @@ class ModelShape:
         return replace(self, intermediate=intermediate)
 
     @classmethod
-    def from_config(cls, config, name: str | None = None) -> ModelShape:
-        """Exact shape of a transformers config: counts the tensors of the model built on the meta device."""
-        from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
+    def from_config(cls, config, name: str | None = None, params: int | None = None) -> ModelShape:
+        """Exact shape of a transformers config: counts the tensors of the model built on the meta device.
 
+        `params` skips the build when the caller has counted a live model (a trainer under ZeRO-3 must not build
+        another model: transformers would partition it with collectives).
+        """
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config)
-        params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        if params is None:
+            from accelerate import init_empty_weights
+            from transformers import AutoModelForCausalLM
+
+            with init_empty_weights():
+                model = AutoModelForCausalLM.from_config(config)
+            params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         heads = text.num_attention_heads
         experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 1
         return cls(

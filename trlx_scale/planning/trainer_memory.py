@@ -65,6 +65,12 @@ def materialized_model_bytes(model) -> int:
     return sum(_local_bytes(t) for t in tensors.values())
 
 
+def zero3_init_of(accelerator) -> bool:
+    """Whether DeepSpeed ZeRO-3 builds models already partitioned (Accelerate's zero3_init_flag)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return bool(getattr(plugin, "zero3_init_flag", True)) if plugin is not None else True
+
+
 def backend_of(accelerator) -> tuple[str, bool]:
     """(planner backend, offload) of an Accelerator."""
     from accelerate.utils import DistributedType
@@ -133,9 +139,10 @@ class PlannedMemoryMixin:
     def planned_memory(self) -> Plan:
         """The planner's per-device verdict for this trainer's run."""
         unwrapped = self.accelerator.unwrap_model(self.model)
+        params = list({id(p): p for p in unwrapped.parameters()}.values())  # tied weights once
         if self._model_shape_cache is None:
-            self._model_shape_cache = ModelShape.from_config(unwrapped.config)
-        params = [p for p in unwrapped.parameters()]
+            total = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: the full size, not the shard
+            self._model_shape_cache = ModelShape.from_config(unwrapped.config, params=total)
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
         dtype = next((p.dtype for p in params if p.requires_grad), torch.float32)
         masters = bool(getattr(self.args, "uses_fp32_master_weights", False))
@@ -169,6 +176,7 @@ class PlannedMemoryMixin:
             vllm_sleep=on_cuda and bool(getattr(self.args, "vllm_enable_sleep_mode", False)),
             vllm_runtime_gib=0.0 if on_cuda else CPU_ENGINE_RUNTIME_GIB,
             runtime_overhead_gib=2.0 if on_cuda else self._runtime_baseline_bytes / GIB,
+            zero3_init=zero3_init_of(self.accelerator),
             **self._planner_extra_roles(),
         )
         if on_cuda:

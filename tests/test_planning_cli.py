@@ -1,0 +1,106 @@
+"""`trlx-scale plan` end to end: the tables, --json, --write (a config Accelerate loads), and errors naming the flag."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+
+from trlx_scale.cli import main as cli_main
+
+SEVEN_B = ["--params", "6.74e9", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "32000"]
+
+
+def test_table_lists_every_backend_and_a_recommendation(capsys):
+    assert (
+        cli_main(["plan", *SEVEN_B, "--algo", "grpo", "--lora-rank", "16", "--gpus-per-node", "1", "--gpu", "a100-80"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    for backend in ("ddp on", "zero2 on", "zero3 on", "fsdp2 on"):
+        assert backend in out
+    assert "FITS" in out and "recommendation: ddp on 1 x 1 GPU(s)" in out
+    assert "vLLM engine (sleep level 1)" in out and "policy adapter optimizer" in out
+
+
+def test_json_has_fits_peak_and_roles_per_backend(capsys):
+    args = ["plan", *SEVEN_B, "--algo", "ppo", "--gpus-per-node", "8", "--gpu", "h100", "--backend", "zero3"]
+    assert cli_main([*args, "--backend", "ddp", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["backends"]) == {"zero3", "ddp"}
+    for entry in result["backends"].values():
+        assert isinstance(entry["fits"], bool) and entry["per_gpu_gib"] > 0
+        assert "critic (separate)" in entry["roles"] and "reference" in entry["roles"]
+        peak = max(entry["training_phase_gib"], entry["generation_phase_gib"])
+        assert entry["per_gpu_gib"] == pytest.approx(peak, abs=1e-3)
+    assert result["model"]["params"] == 6_740_000_000
+    assert result["disaggregated_split"]["generation_gpus"] + result["disaggregated_split"]["training_gpus"] == 8
+
+
+def test_write_produces_a_config_accelerate_loads_and_the_launch_command(tmp_path, capsys):
+    args = ["plan", *SEVEN_B, "--algo", "grpo", "--gpus-per-node", "8", "--gpu", "a100-80", "--write", str(tmp_path)]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    (config_path,) = [p for p in tmp_path.iterdir() if p.suffix == ".yaml"]
+    config = load_config_from_file(str(config_path))
+    assert config.num_processes in (1, 2, 4, 8) and config.mixed_precision == "bf16"
+    launch = (tmp_path / "launch.sh").read_text()
+    assert f"--config_file {config_path}" in launch and "examples/grpo.py" in launch and "--use_peft false" in launch
+    assert os.access(tmp_path / "launch.sh", os.X_OK) and "wrote" in out
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # written atomically
+
+
+def test_zero2_config_loads_through_accelerate(tmp_path):
+    args = ["plan", *SEVEN_B, "--algo", "grpo", "--lora-rank", "16", "--gpus-per-node", "2", "--gpu", "a100-40"]
+    assert cli_main([*args, "--backend", "zero2", "--write", str(tmp_path), "--json"]) == 0
+    (config_path,) = list(tmp_path.glob("*.yaml"))
+    config = load_config_from_file(str(config_path))
+    assert config.distributed_type == "DEEPSPEED" and config.deepspeed_config["zero_stage"] == 2
+
+
+def test_model_read_from_a_local_directory(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+    ).save_pretrained(tmp_path)
+    assert cli_main(["plan", "--model", str(tmp_path), "--gpu", "h200", "--gpus-per-node", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["params"] == 86848
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--gpu", "tpu-v9", *SEVEN_B], "--gpu-memory-gb"),
+        (["--gpu", "h100", "--gpus-per-node", "8", "--vllm-tp", "3", *SEVEN_B], "--vllm-tp"),
+        (["--gpu", "h100", "--layers", "32"], "--hidden"),
+        (["--gpu", "h100", "--model", "/nonexistent/dir/without/config"], "--model"),
+    ],
+)
+def test_bad_inputs_exit_2_with_the_flag_named(args, flag, capsys):
+    assert cli_main(["plan", *args]) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_model_directory_without_config(tmp_path, capsys):
+    assert cli_main(["plan", "--gpu", "h100", "--model", str(tmp_path)]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_console_script_is_fast_and_quiet():
+    """The planner imports no torch/TRL/vLLM: `trlx-scale plan --help` answers at once, with no warnings."""
+    script = os.path.join(os.path.dirname(sys.executable), "trlx-scale")
+    result = subprocess.run([script, "plan", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--gpu-memory-gb" in result.stdout
+    assert "Warning" not in result.stderr and "warn" not in result.stderr.lower()
+    probe = "import sys, trlx_scale.planning.command; print('torch' in sys.modules, 'trl' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert loaded.stdout.split() == ["False", "False"]
