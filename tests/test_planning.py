@@ -202,3 +202,16 @@ def test_seven_b_ppo_critic_replica_costs_what_the_scale_issue_measured():
     critic = {r.role: r for r in result.roles}["critic (separate)"]
     assert math.isclose(critic.training / 1e9, 16 * 6.738415616, rel_tol=1e-9)
     assert not result.fits
+
+
+def test_an_engine_share_too_small_for_its_weights_cannot_start():
+    model = ModelShape(layers=80, hidden=8192, heads=64, kv_heads=8, vocab=128256, intermediate=28672)
+    run = RunSpec(model, algo="grpo", lora_rank=16, vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.3)
+    result = role_memory(run, Layout("zero3", False, 1, 8), 79.6)
+    assert not result.fits and "--vllm-gpu-memory-utilization" in result.blockers[0]
+    roomy = role_memory(
+        RunSpec(model, algo="grpo", lora_rank=16, vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.6),
+        Layout("zero3", False, 1, 8),
+        79.6,
+    )
+    assert not roomy.blockers

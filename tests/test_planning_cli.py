@@ -53,7 +53,7 @@ def test_write_produces_a_config_accelerate_loads_and_the_launch_command(tmp_pat
 
 
 def test_zero2_config_loads_through_accelerate(tmp_path):
-    args = ["plan", *SEVEN_B, "--algo", "grpo", "--lora-rank", "16", "--gpus-per-node", "2", "--gpu", "a100-40"]
+    args = ["plan", *SEVEN_B, "--algo", "grpo", "--lora-rank", "16", "--gpus-per-node", "2", "--gpu", "a100-80"]
     assert cli_main([*args, "--backend", "zero2", "--write", str(tmp_path), "--json"]) == 0
     (config_path,) = list(tmp_path.glob("*.yaml"))
     config = load_config_from_file(str(config_path))

@@ -58,6 +58,11 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     run.add_argument(
         "--reference", choices=("auto", "yes", "no"), default="auto", help="auto: PPO/DPO yes, GRPO no (beta=0)"
     )
+    run.add_argument(
+        "--sharded-ppo-roles",
+        action="store_true",
+        help="plan PPO's critic and reference sharded like the policy (this version keeps them as replicas)",
+    )
     run.add_argument("--reward-model-params", type=float, help="parameters of a reward model (absent: functions)")
     run.add_argument("--prompt-length", type=int, default=512)
     run.add_argument("--completion-length", type=int, default=512)
@@ -146,6 +151,7 @@ def run_spec_from_args(args: argparse.Namespace, model: ModelShape) -> RunSpec:
         vllm_sleep=not args.no_sleep,
         vllm_sleep_level=args.sleep_level,
         runtime_overhead_gib=args.overhead_gib,
+        sharded_roles=args.sharded_ppo_roles,
     )
 
 
@@ -189,6 +195,8 @@ def render_plan(p: Plan) -> str:
         + (
             f"FITS, peak {p.per_gpu_gib:.1f} of {p.gpu_memory_gib:g} GiB per GPU, headroom {p.headroom_gib:.1f} GiB"
             if p.fits
+            else f"CANNOT START, peak {p.per_gpu_gib:.1f} of {p.gpu_memory_gib:g} GiB per GPU (see below)"
+            if p.blockers
             else f"DOES NOT FIT, peak {p.per_gpu_gib:.1f} of {p.gpu_memory_gib:g} GiB per GPU "
             f"({-p.headroom_gib:.1f} GiB over)"
         )
@@ -204,6 +212,7 @@ def render_plan(p: Plan) -> str:
         "  peak = the larger phase"
     )
     lines += [f"  note: {n}" for n in p.notes]
+    lines += [f"  CANNOT START: {b}" for b in p.blockers]
     return "\n".join(lines)
 
 

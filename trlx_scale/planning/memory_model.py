@@ -166,6 +166,7 @@ class Plan:
     roles: list[RoleMemory]
     gpu_memory_gib: float
     notes: list[str] = field(default_factory=list)
+    blockers: list[str] = field(default_factory=list)  # reasons it cannot start, whatever the memory sum
 
     @property
     def training_gib(self) -> float:
@@ -189,7 +190,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.headroom_gib >= 0
+        return self.headroom_gib >= 0 and not self.blockers
 
     def as_dict(self) -> dict:
         return {
@@ -214,6 +215,7 @@ class Plan:
                 for r in self.roles
             },
             "notes": list(self.notes),
+            "blockers": list(self.blockers),
         }
 
 
@@ -305,6 +307,7 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
     shard_all = gpus if backend in ("zero3", "fsdp2") else 1
     roles: list[RoleMemory] = []
     notes: list[str] = []
+    blockers: list[str] = []
 
     def add(role: str, training: float, generation: float | None = None, host: float = 0.0, formula: str = ""):
         roles.append(RoleMemory(role, training, training if generation is None else generation, host, formula))
@@ -408,13 +411,15 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
 
     # Colocated engine.
     if run.uses_engine:
-        add_engine(run, model, gpu_memory_gib, add, notes)
+        add_engine(run, model, gpu_memory_gib, add, notes, blockers)
 
     add("runtime (CUDA context, NCCL, fragmentation)", run.runtime_overhead_gib * GIB, formula="flat margin")
-    return Plan(layout, roles, gpu_memory_gib, notes)
+    return Plan(layout, roles, gpu_memory_gib, notes, blockers)
 
 
-def add_engine(run: RunSpec, model: ModelShape, gpu_memory_gib: float, add, notes: list[str]) -> None:
+def add_engine(
+    run: RunSpec, model: ModelShape, gpu_memory_gib: float, add, notes: list[str], blockers: list[str]
+) -> None:
     tp = run.vllm_tensor_parallel_size
     weights = model.total_params * run.vllm_dtype_bytes / tp
     kv_per_token = model.kv_bytes_per_token(run.vllm_dtype_bytes) / tp
@@ -429,7 +434,7 @@ def add_engine(run: RunSpec, model: ModelShape, gpu_memory_gib: float, add, note
         kv_budget = awake - weights
         formula = f"gpu_memory_utilization {run.vllm_gpu_memory_utilization:g} x {gpu_memory_gib:g} GiB"
         if kv_budget <= 0:
-            notes.append(
+            blockers.append(
                 f"vLLM's share ({awake / GIB:.1f} GiB) cannot hold its weights ({weights / GIB:.1f} GiB): raise "
                 "--vllm-gpu-memory-utilization or --vllm-tp."
             )
