@@ -118,7 +118,7 @@ def model_from_args(args: argparse.Namespace) -> ModelShape:
         experts=args.experts,
         experts_per_token=args.experts_per_token,
         tied_embeddings=args.tied_embeddings,
-        name=f"{args.params:.3g} params" if args.params else "explicit shape",
+        name="explicit shape",
     ).complete()
 
 

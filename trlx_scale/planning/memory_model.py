@@ -219,6 +219,14 @@ class Plan:
         }
 
 
+def _n(count: float) -> str:
+    """A parameter count as people write it: 40.0M, 6.74B."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g}{unit}"
+    return f"{count:.0f}"
+
+
 # ---------------------------------------------------------------------------------------------- the parts
 def state_bytes_per_param(precision: str, backend: str) -> tuple[int, int, int, int]:
     """(weights, gradients, masters, moments) bytes per trainable parameter as the backend stores them."""
@@ -315,7 +323,7 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
     # Policy: frozen base (LoRA) + trainable state.
     if lora:
         base = total * compute / shard_all
-        add("policy base (frozen)", base, formula=f"{total:.3g} params x {compute} B / {shard_all}")
+        add("policy base (frozen)", base, formula=f"{_n(total)} params x {compute} B / {shard_all}")
     state = training_state(trainable, run.precision, backend, layout.offload, gpus)
     w_gpu, w_host = state["weights"]
     g_gpu, g_host = state["gradients"]
@@ -324,14 +332,14 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
     wb, gb, mb, ob = state_bytes_per_param(run.precision, backend)
     shard_w = shard_all
     shard_rest = 1 if backend == "ddp" else gpus
-    add(f"{label} weights", w_gpu, host=w_host, formula=f"{trainable:.3g} trainable x {wb} B / {shard_w}")
+    add(f"{label} weights", w_gpu, host=w_host, formula=f"{_n(trainable)} trainable x {wb} B / {shard_w}")
     # Gradients exist from the first backward to the optimizer step (zero_grad(set_to_none=True) frees them).
-    add(f"{label} gradients", g_gpu, generation=0.0, host=g_host, formula=f"{trainable:.3g} x {gb} B / {shard_rest}")
+    add(f"{label} gradients", g_gpu, generation=0.0, host=g_host, formula=f"{_n(trainable)} x {gb} B / {shard_rest}")
     add(
         f"{label} optimizer",
         o_gpu,
         host=o_host,
-        formula=f"{trainable:.3g} x ({mb} B masters + {ob} B Adam moments) / {shard_rest}"
+        formula=f"{_n(trainable)} x ({mb} B masters + {ob} B Adam moments) / {shard_rest}"
         + (", offloaded to host" if o_host else ""),
     )
 
@@ -360,7 +368,7 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
         add(
             "full load before partitioning",
             models * total * compute,
-            formula=f"{models} model(s) x {total:.3g} x {compute} B (zero3_init_flag off)",
+            formula=f"{models} model(s) x {_n(total)} x {compute} B (zero3_init_flag off)",
         )
 
     # Reference and reward models.
@@ -370,12 +378,12 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
         ref = frozen_copy(total, compute, backend, gpus, sharded_like_policy=not replica)
         if not replica and backend == "zero3":
             ref += gathered_working_set(model, compute, backend)  # its forward gathers like the policy's
-        add("reference", ref, formula=f"{total:.3g} x {compute} B" + (" (replica)" if replica else f" / {shard_all}"))
+        add("reference", ref, formula=f"{_n(total)} x {compute} B" + (" (replica)" if replica else f" / {shard_all}"))
         if replica and backend in ("zero3", "fsdp2"):
             notes.append("PPO's full-fine-tuning reference is a replica on every GPU in this version (not sharded).")
     if run.reward_model is not None:
         rm = run.reward_model.complete().total_params
-        add("reward model", frozen_copy(rm, compute, backend, gpus, True), formula=f"{rm:.3g} x {compute} B")
+        add("reward model", frozen_copy(rm, compute, backend, gpus, True), formula=f"{_n(rm)} x {compute} B")
 
     # PPO critic.
     if run.algo == "ppo":
@@ -394,7 +402,7 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
                 gpu,
                 generation=gpu - critic_state["gradients"][0],
                 host=host,
-                formula=f"{critic_trainable:.3g} trainable, {run.precision}, sharded like the policy",
+                formula=f"{_n(critic_trainable)} trainable, {run.precision}, sharded like the policy",
             )
         else:
             critic_trainable = model.lora_params(run.lora_rank or 16, run.lora_targets) if run.critic_lora else total
@@ -404,7 +412,7 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
                 "critic (separate)",
                 critic_weights + critic_other,
                 generation=critic_weights + critic_trainable * 8,
-                formula=f"fp32 replica: {total:.3g} x 4 B + {critic_trainable:.3g} trainable x 12 B",
+                formula=f"fp32 replica: {_n(total)} x 4 B + {_n(critic_trainable)} trainable x 12 B",
             )
             if gpus > 1:
                 notes.append("PPO's separate critic is an fp32 replica on every GPU in this version (not sharded).")

@@ -205,6 +205,4 @@ class PlannedMemoryMixin:
         return metrics
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if getattr(self.args, "log_planned_memory", True):
-            logs = {**logs, **self.memory_metrics()}
-        super().log(logs, start_time)
+        super().log({**logs, **self.memory_metrics()}, start_time)
