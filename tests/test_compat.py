@@ -89,3 +89,43 @@ def test_layerwise_reload_without_the_tied_alias_serves_wrong_weights(vllm_engin
     token_ids, engine_logps = _engine_logprobs(vllm_engine)
     model_logps = _model_logprobs(default_model, token_ids)
     assert max(abs(a - b) for a, b in zip(engine_logps, model_logps, strict=True)) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------- known warnings
+def test_known_warnings_are_silenced_outside_pytest_too():
+    """A user's `from trlx_scale import GRPOTrainer` prints neither TRL's vLLM-version warning nor vLLM's Triton line."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", "from trlx_scale import GRPOTrainer, DPOTrainer, PPOTrainer"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "TRL currently supports vLLM" not in result.stderr
+    assert "Triton is installed" not in result.stderr
+
+
+def test_known_warnings_still_match_upstream():
+    """Fails when TRL or vLLM reword the messages (the filters would silence nothing) or vLLM leaves 0.32."""
+    import inspect
+
+    import trl.import_utils
+    import vllm.triton_utils.importing as triton_importing
+
+    from trlx_scale.compat.known_warnings import (
+        TESTED_VLLM_SERIES,
+        TRL_VLLM_VERSION_WARNING,
+        VLLM_TRITON_CPU_MESSAGE,
+        VLLM_TRITON_LOGGER,
+        installed_vllm_version,
+    )
+
+    assert TRL_VLLM_VERSION_WARNING in inspect.getsource(trl.import_utils)
+    assert VLLM_TRITON_CPU_MESSAGE in inspect.getsource(triton_importing)
+    # The module logs through init_logger(__name__), i.e. the standard logger of that name, which holds our filter.
+    assert triton_importing.__name__ == VLLM_TRITON_LOGGER
+    assert "logger = init_logger(__name__)" in inspect.getsource(triton_importing)
+    assert installed_vllm_version().startswith(TESTED_VLLM_SERIES), "review compat/known_warnings.py for this vLLM"

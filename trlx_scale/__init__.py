@@ -12,7 +12,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from .compat.known_warnings import silence_known_warnings
+
 __version__ = "0.1.0"
+
+silence_known_warnings()  # before anything imports TRL or vLLM (compat/known_warnings.py says which and why)
 
 # public name -> module that defines it
 _LAZY = {
