@@ -112,7 +112,8 @@ def test_known_warnings_still_match_upstream():
     """Fails when TRL or vLLM reword the messages (the filters would silence nothing) or vLLM leaves 0.32."""
     import inspect
 
-    import trl.import_utils
+    import importlib
+
     import vllm.triton_utils.importing as triton_importing
 
     from trlx_scale.compat.known_warnings import (
@@ -123,7 +124,7 @@ def test_known_warnings_still_match_upstream():
         installed_vllm_version,
     )
 
-    assert TRL_VLLM_VERSION_WARNING in inspect.getsource(trl.import_utils)
+    assert TRL_VLLM_VERSION_WARNING in inspect.getsource(importlib.import_module("trl.import_utils"))
     assert VLLM_TRITON_CPU_MESSAGE in inspect.getsource(triton_importing)
     # The module logs through init_logger(__name__), i.e. the standard logger of that name, which holds our filter.
     assert triton_importing.__name__ == VLLM_TRITON_LOGGER
