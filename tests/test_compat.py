@@ -110,9 +110,8 @@ def test_known_warnings_are_silenced_outside_pytest_too():
 
 def test_known_warnings_still_match_upstream():
     """Fails when TRL or vLLM reword the messages (the filters would silence nothing) or vLLM leaves 0.32."""
-    import inspect
-
     import importlib
+    import inspect
 
     import vllm.triton_utils.importing as triton_importing
 
