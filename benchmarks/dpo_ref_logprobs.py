@@ -25,7 +25,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from trlx_scale import DPOConfig, DPOTrainer, addition_preference_dataset, default_model_path  # noqa: E402
+from trlx_scale import DPOConfig, DPOTrainer  # noqa: E402
+from trlx_scale.tasks import addition_preference_dataset, default_model_path  # noqa: E402
 from trlx_scale.trainer.dpo_trainer import REF_SCORING_CHUNK  # noqa: E402
 from trlx_scale.trainer.preference_pairs import completion_logprob_sums  # noqa: E402
 

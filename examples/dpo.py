@@ -34,8 +34,8 @@ from trlx_scale import (  # noqa: E402
     default_model_path,
     exact_match_reward,
 )
-from trlx_scale.example_runtime import cpu_launch_defaults, finish_run, held_out_accuracy, resume_argument  # noqa: E402
-from trlx_scale.reporting import RunSummary  # noqa: E402
+from trlx_scale.tasks.example_runtime import cpu_launch_defaults, finish_run, held_out_accuracy, resume_argument  # noqa: E402
+from trlx_scale.tasks.run_summary import RunSummary  # noqa: E402
 
 
 @dataclass

@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 
-from trlx_scale import PPOConfig, PPOTrainer, default_model_path, exact_match_reward  # noqa: E402
-from trlx_scale.example_runtime import (  # noqa: E402
+from trlx_scale import PPOConfig, PPOTrainer  # noqa: E402
+from trlx_scale.tasks import default_model_path, exact_match_reward  # noqa: E402
+from trlx_scale.tasks.example_runtime import (  # noqa: E402
     TaskScriptArguments,
     cpu_launch_defaults,
     finish_run,
@@ -32,7 +33,7 @@ from trlx_scale.example_runtime import (  # noqa: E402
     load_prompt_task,
     resume_argument,
 )
-from trlx_scale.reporting import RunSummary  # noqa: E402
+from trlx_scale.tasks.run_summary import RunSummary  # noqa: E402
 
 
 def example_defaults() -> dict:

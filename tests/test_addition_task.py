@@ -1,4 +1,4 @@
-from trlx_scale.data.addition import addition_dataset, completion_text, exact_match_reward, split_problems
+from trlx_scale.tasks.addition import addition_dataset, completion_text, exact_match_reward, split_problems
 
 
 def test_split_is_disjoint_complete_and_deterministic():

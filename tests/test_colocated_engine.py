@@ -6,7 +6,8 @@ import logging
 import pytest
 from peft import LoraConfig
 
-from trlx_scale import GRPOTrainer, addition_dataset, exact_match_reward
+from trlx_scale import GRPOTrainer
+from trlx_scale.tasks import addition_dataset, exact_match_reward
 
 from .conftest import logged, small_grpo_config
 

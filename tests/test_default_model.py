@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from trlx_scale.data.addition import split_problems
-from trlx_scale.evaluation import greedy_accuracy
+from trlx_scale.tasks.addition import split_problems
+from trlx_scale.tasks.evaluation import greedy_accuracy
 
 
 def test_files_are_hf_format(default_model_dir):
@@ -42,10 +42,10 @@ def test_model_solves_some_but_not_most_held_out_problems(default_model, default
 
 
 def test_missing_weights_give_a_rebuild_hint(tmp_path, monkeypatch):
-    from trlx_scale.models import default_model
+    from trlx_scale.tasks import default_model
 
     monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path)
-    with pytest.raises(FileNotFoundError, match="python -m trlx_scale.models.default_model"):
+    with pytest.raises(FileNotFoundError, match="python -m trlx_scale.tasks.default_model"):
         default_model.default_model_path()
 
 
@@ -54,7 +54,7 @@ def test_builder_produces_a_loadable_model(tmp_path):
     """The script that made the shipped weights runs and writes a model transformers loads (short budget here)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trlx_scale.models.default_model import build_default_model
+    from trlx_scale.tasks.default_model import build_default_model
 
     summary = build_default_model(tmp_path, target_accuracy=0.99, max_steps=40, check_every=20)
     assert summary["steps"] == 40 and 0.0 <= summary["held_out_accuracy"] <= 1.0

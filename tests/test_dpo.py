@@ -7,7 +7,8 @@ import torch
 import trl
 from peft import LoraConfig
 
-from trlx_scale import DPOConfig, DPOTrainer, addition_dataset, addition_preference_dataset, exact_match_reward
+from trlx_scale import DPOConfig, DPOTrainer
+from trlx_scale.tasks import addition_dataset, addition_preference_dataset, exact_match_reward
 from trlx_scale.trainer.preference_pairs import best_worst_pairs, completion_logprob_sums
 
 

@@ -8,13 +8,13 @@ from peft import LoraConfig, get_peft_model
 
 from trlx_scale.generation.group_generation import collapse_runs, expand_outputs
 from trlx_scale.generation.lifecycle import EngineLifecycle, EngineState, LifecycleError
-from trlx_scale.generation.optimizer_offload import OptimizerStateOffloader
 from trlx_scale.generation.weight_sync import (
     choose_sync_mode,
     full_weight_stream,
     lora_ineligibility,
     vllm_max_lora_rank,
 )
+from trlx_scale.optim.optimizer_offload import OptimizerStateOffloader
 
 
 class FakeEngine:

@@ -5,8 +5,9 @@ import os
 import torch
 from transformers import TrainerCallback
 
-from trlx_scale import GRPOTrainer, addition_dataset, exact_match_reward
+from trlx_scale import GRPOTrainer
 from trlx_scale.optim.master_weights import MASTER_KEY, FP32MasterAdamW
+from trlx_scale.tasks import addition_dataset, exact_match_reward
 
 from .conftest import small_grpo_config
 

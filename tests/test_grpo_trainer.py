@@ -7,8 +7,9 @@ import torch
 import trl
 from trl.generation.vllm_generation import VLLMGeneration
 
-from trlx_scale import GRPOConfig, GRPOTrainer, addition_dataset, exact_match_reward
+from trlx_scale import GRPOConfig, GRPOTrainer
 from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
+from trlx_scale.tasks import addition_dataset, exact_match_reward
 
 from .conftest import logged, small_grpo_config
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from trlx_scale import GRPOConfig, GRPOTrainer, addition_dataset, exact_match_reward
+from trlx_scale import GRPOConfig, GRPOTrainer
 from trlx_scale.losses import clipped_policy_loss
+from trlx_scale.tasks import addition_dataset, exact_match_reward
 
 from .conftest import small_grpo_config
 

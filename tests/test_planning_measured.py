@@ -51,7 +51,7 @@ def llama_34m(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from trlx_scale.models.default_model import default_model_path
+    from trlx_scale.tasks.default_model import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     config = LlamaConfig(

@@ -7,9 +7,10 @@ import torch
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from trlx_scale import PPOConfig, PPOTrainer, addition_dataset, exact_match_reward
+from trlx_scale import PPOConfig, PPOTrainer
 from trlx_scale.losses import clipped_value_loss
 from trlx_scale.ppo import AdaptiveKLController, gae, kl_penalty_rewards, masked_whiten, per_token_kl
+from trlx_scale.tasks import addition_dataset, exact_match_reward
 
 from .conftest import logged
 

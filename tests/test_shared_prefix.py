@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from trlx_scale import GRPOTrainer, addition_dataset, exact_match_reward
+from trlx_scale import GRPOTrainer
 from trlx_scale.compat.checkpoint_with_cache import FLAG, checkpointed_cache_supported
 from trlx_scale.prefix.shared_prefix import (
     find_prompt_groups,
@@ -20,6 +20,7 @@ from trlx_scale.prefix.shared_prefix import (
     shared_token_ratio,
     unsupported_reason,
 )
+from trlx_scale.tasks import addition_dataset, exact_match_reward
 
 from .conftest import small_grpo_config
 

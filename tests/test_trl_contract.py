@@ -22,8 +22,16 @@ NEW_METHODS = {
         "_shared_prefix_enabled",
         "_shared_prefix_blocker",
         "_shared_prefix_logps",
+        "_planner_extra_roles",
     },
-    DPOTrainer: {"_colocated_engine", "_online_round"},
+    DPOTrainer: {
+        "_colocated_engine",
+        "_online_round",
+        "_planner_algorithm",
+        "_planner_engine",
+        "_planner_num_generations",
+        "_planner_extra_roles",
+    },
     PPOTrainer: {
         "_policy",
         "_build_critic",
@@ -32,6 +40,8 @@ NEW_METHODS = {
         "_reference_logps",
         "_values",
         "_step_critic",
+        "_planner_algorithm",
+        "_planner_extra_roles",
     },
     ColocatedVLLMGeneration: {
         "llm_kwargs",
@@ -102,6 +112,17 @@ def test_overridden_methods_exist_upstream_with_the_same_signature():
                 continue
             assert hasattr(parent, name), f"{parent.__name__}.{name} disappeared upstream"
             assert _parameters(member) == _parameters(getattr(parent, name)), f"{name} changed signature"
+
+
+def test_planned_memory_mixin_overrides_keep_trainer_signatures():
+    """The mixin wraps Trainer.log and compute_loss: every way TRL/transformers call them must still bind."""
+    from trlx_scale.planning.trainer_memory import PlannedMemoryMixin
+
+    assert _parameters(PlannedMemoryMixin.log) == _parameters(trl.GRPOTrainer.log)
+    for parent in (trl.GRPOTrainer, trl.DPOTrainer):
+        upstream = inspect.signature(parent.compute_loss)
+        call = upstream.bind(None, "model", "inputs", *[p.default for p in list(upstream.parameters.values())[3:]])
+        inspect.signature(PlannedMemoryMixin.compute_loss).bind(*call.args, **call.kwargs)
 
 
 def test_vllm_generation_constructor_still_takes_what_we_pass():

@@ -3,8 +3,8 @@
 import torch
 from vllm import SamplingParams
 
-from trlx_scale.data.addition import split_problems
-from trlx_scale.evaluation import greedy_completions, render_prompt
+from trlx_scale.tasks.addition import split_problems
+from trlx_scale.tasks.evaluation import greedy_completions, render_prompt
 
 
 def _vllm_greedy(llm, prompt_ids, max_tokens=6):

@@ -10,6 +10,7 @@ The names below are imported on first use (PEP 562), so that ``import trlx_scale
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING
 
 from .compat.known_warnings import silence_known_warnings
@@ -26,11 +27,9 @@ _LAZY = {
     "GRPOTrainer": ".trainer",
     "PPOConfig": ".trainer",
     "PPOTrainer": ".trainer",
-    "addition_dataset": ".data.addition",
-    "addition_preference_dataset": ".data.addition",
-    "exact_match_reward": ".data.addition",
-    "default_model_path": ".models.default_model",
 }
+# The demo harness moved to trlx_scale.tasks (0.2); these names keep working with a warning until 0.3.
+_MOVED_TO_TASKS = ("addition_dataset", "addition_preference_dataset", "default_model_path", "exact_match_reward")
 
 __all__ = [
     "DPOConfig",
@@ -40,15 +39,9 @@ __all__ = [
     "PPOConfig",
     "PPOTrainer",
     "__version__",
-    "addition_dataset",
-    "addition_preference_dataset",
-    "default_model_path",
-    "exact_match_reward",
 ]
 
 if TYPE_CHECKING:
-    from .data.addition import addition_dataset, addition_preference_dataset, exact_match_reward
-    from .models.default_model import default_model_path
     from .trainer import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 
 
@@ -57,6 +50,13 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value  # later lookups skip this function
         return value
+    if name in _MOVED_TO_TASKS:
+        warnings.warn(
+            f"trlx_scale.{name} moved to trlx_scale.tasks.{name} (the demo harness); the old name is removed in 0.3.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(".tasks", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -49,7 +49,7 @@ def _accelerate_config(args: argparse.Namespace) -> int:
 
 
 def _build_default_model(args: argparse.Namespace) -> int:
-    from .models.default_model import build_default_model
+    from .tasks.default_model import build_default_model
 
     build_default_model(args.output, target_accuracy=args.target_accuracy, max_steps=args.max_steps)
     return 0

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from trlx_scale.generation.weight_sync import full_weight_stream, is_fsdp2_sharded
-from trlx_scale.models.default_model import default_model_path
+from trlx_scale.tasks.default_model import default_model_path
 
 
 def main(report_path: str) -> None:

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from trlx_scale.generation.weight_sync import LoRAAdapterSync
-from trlx_scale.models.default_model import default_model_path
+from trlx_scale.tasks.default_model import default_model_path
 
 
 def build():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trlx_scale.generation.optimizer_offload import OptimizerStateOffloader
+from trlx_scale.optim.optimizer_offload import OptimizerStateOffloader
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,8 +17,8 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 
 from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
-from ..generation.optimizer_offload import OptimizerStateOffloader
 from ..losses.policy_losses import log_importance_weights
+from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..planning.trainer_memory import PlannedMemoryMixin
 from ..prefix.shared_prefix import shared_prefix_logps, shared_token_ratio, unsupported_reason
 from .grpo_config import GRPOConfig

@@ -12,9 +12,9 @@ from datasets import load_dataset
 from trl import ScriptArguments
 from trl.models import unwrap_model_for_generation
 
-from .data.addition import addition_dataset
+from .addition import addition_dataset
 from .evaluation import exact_match_accuracy
-from .reporting import RunSummary
+from .run_summary import RunSummary
 
 
 @dataclass

@@ -1,6 +1,6 @@
 import json
 
-from trlx_scale.reporting import RunSummary
+from trlx_scale.tasks.run_summary import RunSummary
 
 
 def test_summary_reads_rewards_and_renders_gain(tmp_path):

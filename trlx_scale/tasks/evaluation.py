@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .data.addition import AdditionProblem, completion_text
+from .addition import AdditionProblem, completion_text
 
 Prompt = str | list[dict]
 

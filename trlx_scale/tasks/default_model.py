@@ -1,8 +1,8 @@
 """The embedded default model: a tiny Llama-architecture causal LM pre-trained on two-digit addition.
 
 No model can be downloaded where this project is tested, so it ships its own: the weights (about 3 MB) live in
-``trlx_scale/models/default/`` and were produced by :func:`build_default_model` (run
-``python -m trlx_scale.models.default_model --output trlx_scale/models/default``). The build is deterministic on a
+``trlx_scale/tasks/embedded_model/`` and were produced by :func:`build_default_model` (run
+``python -m trlx_scale.tasks.default_model --output trlx_scale/tasks/embedded_model``). The build is deterministic on a
 given torch build (fixed seeds, single-threaded data order).
 
 Why these sizes:
@@ -22,9 +22,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from ..data.addition import AdditionProblem, split_problems
+from .addition import AdditionProblem, split_problems
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "default"
+DEFAULT_MODEL_DIR = Path(__file__).parent / "embedded_model"
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|end|>"
@@ -50,7 +50,7 @@ def default_model_path() -> str:
     if not (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"The embedded default model is missing from {DEFAULT_MODEL_DIR}. Rebuild it with "
-            f"`python -m trlx_scale.models.default_model --output {DEFAULT_MODEL_DIR}` (about 2 minutes on 2 cores)."
+            f"`python -m trlx_scale.tasks.default_model --output {DEFAULT_MODEL_DIR}` (about 2 minutes on 2 cores)."
         )
     return str(DEFAULT_MODEL_DIR)
 
@@ -128,7 +128,7 @@ def build_default_model(
     (the held-out split is never looked at while training), so the model solves some problems but not most and RL has
     room to improve it. Returns a summary with the held-out greedy accuracy of the saved model.
     """
-    from ..evaluation import greedy_accuracy  # evaluation imports the data module; keep this module light
+    from .evaluation import greedy_accuracy  # evaluation imports the data module; keep this module light
 
     if not 0 < target_accuracy < 1:
         raise ValueError(f"target_accuracy must be in (0, 1), got {target_accuracy}.")
