@@ -129,3 +129,40 @@ def test_known_warnings_still_match_upstream():
     assert triton_importing.__name__ == VLLM_TRITON_LOGGER
     assert "logger = init_logger(__name__)" in inspect.getsource(triton_importing)
     assert installed_vllm_version().startswith(TESTED_VLLM_SERIES), "review compat/known_warnings.py for this vLLM"
+
+
+# ---------------------------------------------------------------------------------------------- LoRA + prompt_logprobs
+@pytest.mark.slow
+def test_lora_enabled_cpu_engine_still_cannot_score_prompts(default_model_dir):
+    """compat/vllm_cpu_lora_scoring.py is needed while this fails on the CPU build; when a vLLM release scores
+    prompt_logprobs with enable_lora, this test fails and the workaround (full sync for scoring engines) can go."""
+    import gc
+
+    from vllm import LLM
+
+    from trlx_scale.compat.vllm_cpu_lora_scoring import lora_breaks_prompt_logprobs, scoring_sync_mode
+
+    assert lora_breaks_prompt_logprobs(), "vLLM changed: review compat/vllm_cpu_lora_scoring.py's version guard"
+    assert scoring_sync_mode("auto") == "full" and scoring_sync_mode("lora") == "full"
+    llm = LLM(
+        model=default_model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=1,
+        max_model_len=64,
+        max_num_seqs=4,
+        seed=0,
+    )
+    try:
+        with pytest.raises(Exception) as failure:  # noqa: B017 - the failure's type is vLLM's internal einsum error
+            llm.generate(  # several sequences of different lengths, as a reference-scoring batch has
+                [{"prompt_token_ids": PROMPT[: 3 + i]} for i in range(4)],
+                SamplingParams(max_tokens=1, prompt_logprobs=0),
+                use_tqdm=False,
+            )
+        assert "einsum" in str(failure.value), failure.value
+    finally:
+        del llm
+        gc.collect()

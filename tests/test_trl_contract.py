@@ -46,7 +46,6 @@ NEW_METHODS = {
     ColocatedVLLMGeneration: {
         "llm_kwargs",
         "_quantization",
-        "_resolve_sleep_level",
         "_engine_torch_dtype",
         "_full_weights",
         "_push_weights",

@@ -37,6 +37,7 @@ from ..compat.vllm_weight_reload import (
     with_tied_aliases,
 )
 from .cpu_environment import running_on_cpu_only
+from .engine_options import check_positive, check_sleep_level, check_sync_mode, check_vllm_dtype, resolve_sleep_level
 from .group_generation import collapse_runs, expand_outputs
 from .lifecycle import EngineLifecycle
 from .weight_sync import LoRAAdapterSync, choose_sync_mode, full_weight_stream, is_fsdp2_sharded, is_peft_model
@@ -67,17 +68,28 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         sync_bucket_mb: float = 256.0,
         **kwargs,
     ):
-        self.dtype = dtype
+        self.dtype = check_vllm_dtype(dtype)
         self.enforce_eager = running_on_cpu_only() if enforce_eager is None else enforce_eager
-        self.requested_sync_mode = sync_mode
-        self.requested_sleep_level = sleep_level
-        self.sync_bucket_bytes = int(sync_bucket_mb * 2**20)
+        self.requested_sync_mode = check_sync_mode(sync_mode)
+        self.requested_sleep_level = check_sleep_level(sleep_level)
+        self.sync_bucket_bytes = int(check_positive("vllm_sync_bucket_mb", sync_bucket_mb) * 2**20)
         self._tied_aliases: dict[str, str] | None = None
         self._metrics: dict[str, float] = {}
         self._lora_request = None
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, args, *, model, accelerator, processing_class, **settings) -> ColocatedVLLMGeneration:
+        """The engine every trainer builds: trlx_scale's engine options from ``args`` (its ``ColocatedEngineFields``;
+        their defaults for a plain TRL config) plus ``settings``, the arguments of TRL's ``VLLMGeneration`` that the
+        trainer decides (sampling, lengths, batch) and any engine option it must override."""
+        from ..trainer.shared_fields import ColocatedEngineFields  # the trainer package imports this module
+
+        fields = args if isinstance(args, ColocatedEngineFields) else ColocatedEngineFields()
+        options = {**fields.engine_options(), **settings}
+        return cls(model=model, accelerator=accelerator, processing_class=processing_class, mode="colocate", **options)
 
     def llm_kwargs(self) -> dict:
         """Arguments of the colocated ``vllm.LLM``: TRL's choices plus trlx_scale's."""
@@ -142,7 +154,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         self.sync_mode, why_not_lora = choose_sync_mode(self.model, self.requested_sync_mode)
         if self.sync_mode == "full" and why_not_lora and is_peft_model(self.model):
             logger.warning("LoRA-only weight sync is off (%s): merged full weights are sent instead.", why_not_lora)
-        self.sleep_level = self._resolve_sleep_level()
+        self.sleep_level = resolve_sleep_level(self.requested_sleep_level, self.sync_mode)
         if self.sync_mode == "lora":
             self._lora_sync = LoRAAdapterSync(self.model, self._dist.gather_params, self._engine_torch_dtype())
 
@@ -178,16 +190,6 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         self._llm_weights_sleeping = self.lifecycle.weights_discarded
         # Keep ranks together after the (uneven) engine start-up; DeepSpeed hangs otherwise.
         accelerator.wait_for_everyone()
-
-    def _resolve_sleep_level(self) -> int:
-        level = self.requested_sleep_level
-        if level in ("auto", None):
-            # LoRA-only: the base never changes, so keep it in host RAM (level 1) and never re-send it.
-            return 1 if self.sync_mode == "lora" else 2
-        level = int(level)
-        if level not in (1, 2):
-            raise ValueError(f"vllm_sleep_level must be 'auto', 1 or 2, got {self.requested_sleep_level!r}.")
-        return level
 
     def _engine_torch_dtype(self) -> torch.dtype:
         if self.dtype in _DTYPES:

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from .engine_options import check_kvcache_space
+
 logger = logging.getLogger(__name__)
 
 KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
@@ -30,11 +32,7 @@ def configure_vllm_cpu_environment(kvcache_space_gib: float) -> bool:
 
     Returns whether the variable was set by this call.
     """
-    if kvcache_space_gib <= 0:
-        raise ValueError(
-            f"vllm_cpu_kvcache_space must be a positive number of GiB, got {kvcache_space_gib}; 1 is plenty for "
-            "small models."
-        )
+    check_kvcache_space(kvcache_space_gib)
     if not running_on_cpu_only() or KVCACHE_SPACE_ENV in os.environ:
         return False
     # vLLM parses the variable as an integer number of GiB.

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from .engine_options import check_resolved_sleep_level
+
 logger = logging.getLogger(__name__)
 
 
@@ -62,10 +64,8 @@ class EngineLifecycle:
         start_asleep: bool = True,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}.")
         self.llm = llm
-        self.sleep_level = sleep_level
+        self.sleep_level = check_resolved_sleep_level(sleep_level)
         self.enabled = enabled
         self.state = EngineState.ASLEEP if start_asleep else EngineState.AWAKE
         self._clock = clock

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .engine_options import check_sync_mode
+
 logger = logging.getLogger(__name__)
 
 # vLLM's LoRA kernels are compiled for these maximum ranks (vllm.config.lora.MaxLoRARanks).
@@ -78,8 +80,7 @@ def lora_ineligibility(model: torch.nn.Module) -> str | None:
 
 def choose_sync_mode(model: torch.nn.Module, requested: str) -> tuple[str, str | None]:
     """("lora" | "full", reason LoRA-only is off or None). ``requested`` is "auto", "lora" or "full"."""
-    if requested not in ("auto", "lora", "full"):
-        raise ValueError(f"vllm_sync_mode must be 'auto', 'lora' or 'full', got {requested!r}.")
+    check_sync_mode(requested)
     if requested == "full":
         return "full", "vllm_sync_mode='full' was requested"
     reason = lora_ineligibility(model)

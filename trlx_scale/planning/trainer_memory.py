@@ -50,6 +50,13 @@ def host_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
+def _cpu_kv_cache_gib() -> float:
+    """The CPU engine's KV cache: VLLM_CPU_KVCACHE_SPACE, which the trainer sets before the engine starts."""
+    from ..generation.cpu_environment import KVCACHE_SPACE_ENV
+
+    return float(os.environ.get(KVCACHE_SPACE_ENV, "1"))
+
+
 def _local_bytes(tensor: torch.Tensor) -> int:
     partition = getattr(tensor, "ds_tensor", None)  # DeepSpeed ZeRO-3: the local shard lives here
     if partition is not None:
@@ -169,11 +176,12 @@ class PlannedMemoryMixin:
             precision=precision,
             compute_bytes=2 if (self.args.bf16 or dtype != torch.float32) else 4,
             vllm=uses_engine,
-            vllm_gpu_memory_utilization=getattr(self.args, "vllm_gpu_memory_utilization", 0.3),
-            vllm_kv_cache_gib=None if on_cuda else getattr(self.args, "vllm_cpu_kvcache_space", 1.0),
+            # The engine's own settings (what it runs with), where there is one.
+            vllm_gpu_memory_utilization=engine.gpu_memory_utilization if uses_engine else 0.3,
+            vllm_kv_cache_gib=None if on_cuda else _cpu_kv_cache_gib(),
             vllm_dtype_bytes=4 if "float32" in engine_dtype else 2,
-            vllm_tensor_parallel_size=getattr(self.args, "vllm_tensor_parallel_size", 1),
-            vllm_sleep=on_cuda and bool(getattr(self.args, "vllm_enable_sleep_mode", False)),
+            vllm_tensor_parallel_size=engine.tensor_parallel_size if uses_engine else 1,
+            vllm_sleep=uses_engine and engine.enable_sleep_mode and getattr(engine, "sleep_supported", False),
             vllm_runtime_gib=0.0 if on_cuda else CPU_ENGINE_RUNTIME_GIB,
             runtime_overhead_gib=2.0 if on_cuda else self._runtime_baseline_bytes / GIB,
             zero3_init=zero3_init_of(self.accelerator),

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from trl import DPOConfig as TRLDPOConfig
 
-from ..optim.presets import apply_preset, get_preset
 from .shared_fields import ColocatedEngineFields, OptimizerPresetFields
 
 
@@ -79,9 +78,7 @@ class DPOConfig(ColocatedEngineFields, OptimizerPresetFields, TRLDPOConfig):
     )
 
     def __post_init__(self) -> None:
-        self.optim_preset_values: dict | None = None
-        if self.optim_preset is not None:
-            self.optim_preset_values = apply_preset(self, get_preset(self.optim_preset))
+        self.apply_optim_preset()
         if self.vllm_ref_log_probs:
             self.precompute_ref_log_probs = True  # TRL then reads the reference log-probs from the batches
         super().__post_init__()

@@ -27,6 +27,7 @@ from trl import DPOTrainer as TRLDPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
+from ..compat.vllm_cpu_lora_scoring import scoring_sync_mode
 from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.weight_sync import is_peft_model
@@ -143,11 +144,11 @@ class DPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
                 max_model_length = min(max_model_length, limit)
             per_step = args.per_device_train_batch_size * args.online_num_generations
             max_num_seqs = per_step if self._online else 256
-            self._engine = ColocatedVLLMGeneration(
+            self._engine = ColocatedVLLMGeneration.from_config(
+                args,
                 model=self.model,
                 accelerator=self.accelerator,
                 processing_class=self.processing_class,
-                mode="colocate",
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 max_model_length=max_model_length,
                 max_num_seqs=max_num_seqs,
@@ -156,14 +157,9 @@ class DPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
                 temperature=args.online_temperature,
                 max_completion_length=args.online_max_completion_length,
                 logprobs=0,
-                dtype=args.engine_dtype(),
-                enforce_eager=args.vllm_enforce_eager,
-                # Reference scoring pushes the (merged) weights instead of serving an adapter: vLLM 0.32's CPU LoRA
-                # logits path breaks prompt_logprobs (einsum size mismatch in punica_cpu.bgmv_shrink) even for
-                # requests without an adapter, and the reference of a fresh adapter is its base anyway.
-                sync_mode=args.vllm_sync_mode if self._online else "full",
-                sleep_level=args.vllm_sleep_level,
-                sync_bucket_mb=args.vllm_sync_bucket_mb,
+                # Reference scoring needs prompt_logprobs, which a LoRA-enabled engine cannot do on every stack
+                # (compat/vllm_cpu_lora_scoring.py); online rounds sample, and keep LoRA-only sync.
+                sync_mode=args.vllm_sync_mode if self._online else scoring_sync_mode(args.vllm_sync_mode),
             )
         return self._engine
 
@@ -177,7 +173,7 @@ class DPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
         return self._engine
 
     def _planner_num_generations(self) -> int:
-        return getattr(self.args, "online_num_generations", 2) if self._online else 2
+        return self.args.online_num_generations if self._online else 2
 
     def _planner_extra_roles(self) -> dict:
         return {"reference": self.ref_model is not None}

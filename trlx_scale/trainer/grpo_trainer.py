@@ -23,6 +23,7 @@ from ..planning.trainer_memory import PlannedMemoryMixin
 from ..prefix.shared_prefix import shared_prefix_logps, shared_token_ratio, unsupported_reason
 from .grpo_config import GRPOConfig
 from .master_weights_setup import MasterWeightsMixin
+from .shared_fields import option
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -72,7 +73,7 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
     ):
         colocate = args is not None and args.use_vllm and args.vllm_mode == "colocate"
         if colocate:
-            configure_vllm_cpu_environment(getattr(args, "vllm_cpu_kvcache_space", 1.0))
+            configure_vllm_cpu_environment(option(args, GRPOConfig, "vllm_cpu_kvcache_space"))
             # TRL creates its own engine eagerly in __init__ and two engines must never start: TRL sees
             # use_vllm=False while it sets up, and ours is built right after (see _build_colocated_engine).
             args.use_vllm = False
@@ -179,7 +180,7 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
     def _shared_prefix_enabled(self, model) -> bool:
         """Resolve `shared_prefix` once, at the first pass (gradient checkpointing is switched on by then)."""
         if getattr(self, "_shared_prefix_decision", None) is None:
-            setting = getattr(self.args, "shared_prefix", "false")
+            setting = option(self.args, GRPOConfig, "shared_prefix")
             reason = None
             if setting != "false":
                 reason = self._shared_prefix_blocker(model, auto=setting == "auto")
@@ -236,14 +237,13 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
                 )
 
     def _build_colocated_engine(self) -> ColocatedVLLMGeneration:
-        """The colocated engine, configured as TRL configures its own plus trlx_scale's engine options."""
+        """The colocated engine, configured from TRL's GRPO fields as TRL configures its own, plus trlx_scale's."""
         args = self.args
-        engine_dtype = args.engine_dtype() if isinstance(args, GRPOConfig) else "auto"
-        return ColocatedVLLMGeneration(
+        return ColocatedVLLMGeneration.from_config(
+            args,
             model=self.model,
             accelerator=self.accelerator,
             processing_class=self.processing_class,
-            mode="colocate",
             structured_outputs_regex=args.vllm_structured_outputs_regex,
             tensor_parallel_size=args.vllm_tensor_parallel_size,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -260,11 +260,6 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
             max_completion_length=self.max_completion_length,
             logprobs=0,  # only the sampled tokens' log-probs (importance-sampling correction)
             generation_kwargs=args.generation_kwargs,
-            dtype=engine_dtype,
-            enforce_eager=getattr(args, "vllm_enforce_eager", None),
-            sync_mode=getattr(args, "vllm_sync_mode", "auto"),
-            sleep_level=getattr(args, "vllm_sleep_level", "auto"),
-            sync_bucket_mb=getattr(args, "vllm_sync_bucket_mb", 256.0),
         )
 
     def _planner_extra_roles(self) -> dict:
@@ -272,7 +267,7 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         offloader = None
-        if getattr(self.args, "offload_optimizer_during_generation", False) and self.optimizer is not None:
+        if option(self.args, GRPOConfig, "offload_optimizer_during_generation") and self.optimizer is not None:
             offloader = OptimizerStateOffloader(self.optimizer)
             offloaded = offloader.offload()
         try:

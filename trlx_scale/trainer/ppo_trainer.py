@@ -100,7 +100,7 @@ class PPOTrainer(GRPOTrainer):
     def _planner_extra_roles(self) -> dict:
         return {
             "critic_mode": self.args.critic_mode,
-            "critic_lora": bool(getattr(self.args, "critic_use_peft", False)),
+            "critic_lora": self.args.critic_use_peft,
             "reference": self.ppo_ref_model is not None,
         }
 

@@ -6,13 +6,28 @@ thing, with the same default and check, in every trainer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from ..optim.presets import PRESETS
+from ..generation.engine_options import (
+    ENGINE_DTYPES,
+    SLEEP_LEVELS,
+    SYNC_MODES,
+    check_engine_dtype,
+    check_kvcache_space,
+    check_positive,
+    check_sleep_level,
+    check_sync_mode,
+)
+from ..optim.presets import PRESETS, apply_preset, get_preset
 
-SYNC_MODES = ("auto", "lora", "full")
-SLEEP_LEVELS = ("auto", "1", "2")
-ENGINE_DTYPES = ("auto", "trainer", "bfloat16", "float16", "float32")
+
+def option(args, config_cls: type, name: str):
+    """``args.name``, or the field's default in ``config_cls`` when ``args`` is a plain TRL config without it (a
+    trlx_scale trainer accepts TRL's configs; then every trlx_scale option keeps its default)."""
+    if hasattr(args, name):
+        return getattr(args, name)
+    return next(f.default for f in dataclasses.fields(config_cls) if f.name == name)
 
 
 @dataclass
@@ -41,6 +56,14 @@ class OptimizerPresetFields:
     def uses_fp32_master_weights(self) -> bool:
         return self.optim_preset is not None if self.fp32_master_weights is None else self.fp32_master_weights
 
+    def apply_optim_preset(self) -> None:
+        """Fill the optimizer fields left at their defaults from ``optim_preset``; ``optim_preset_values`` records
+        each effective value and its source for the trainer's start-up line. Call before TrainingArguments'
+        ``__post_init__``, which turns some of these fields into enums."""
+        self.optim_preset_values: dict | None = None
+        if self.optim_preset is not None:
+            self.optim_preset_values = apply_preset(self, get_preset(self.optim_preset))
+
 
 @dataclass
 class ColocatedEngineFields:
@@ -59,7 +82,7 @@ class ColocatedEngineFields:
         metadata={
             "help": "Weight dtype of the colocated vLLM engine: 'auto' (vLLM decides; TRL's behaviour, bf16 on CPU "
             "even for fp32 checkpoints), 'trainer' (the trainer's compute dtype), or 'bfloat16'/'float16'/'float32'.",
-            "choices": ["auto", "trainer", "bfloat16", "float16", "float32"],
+            "choices": list(ENGINE_DTYPES),
         },
     )
     vllm_enforce_eager: bool | None = field(
@@ -75,7 +98,7 @@ class ColocatedEngineFields:
             "help": "How weights reach the colocated vLLM engine: 'lora' (only the LoRA adapter; vLLM serves it), "
             "'full' (every weight, merged), or 'auto' ('lora' when vLLM can serve the policy's adapter, else "
             "'full', with the reason logged once).",
-            "choices": ["auto", "lora", "full"],
+            "choices": list(SYNC_MODES),
         },
     )
     vllm_sleep_level: str = field(
@@ -84,7 +107,7 @@ class ColocatedEngineFields:
             "help": "Sleep level of the colocated engine when vllm_enable_sleep_mode is on: '1' keeps its weights in "
             "host RAM, '2' discards them (all weights re-sent after waking); 'auto' = 1 with LoRA-only sync, 2 with "
             "full sync.",
-            "choices": ["auto", "1", "2"],
+            "choices": list(SLEEP_LEVELS),
         },
     )
     vllm_sync_bucket_mb: float = field(
@@ -103,17 +126,19 @@ class ColocatedEngineFields:
         return "float32"
 
     def validate_engine_fields(self) -> None:
-        """Check the engine fields; called by the configs' ``__post_init__``."""
-        self.vllm_sleep_level = str(self.vllm_sleep_level)
-        for name, allowed in (("vllm_sync_mode", SYNC_MODES), ("vllm_sleep_level", SLEEP_LEVELS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
-        if self.vllm_sync_bucket_mb <= 0:
-            raise ValueError(f"vllm_sync_bucket_mb must be positive, got {self.vllm_sync_bucket_mb}.")
-        if self.vllm_dtype not in ENGINE_DTYPES:
-            raise ValueError(f"vllm_dtype must be one of {ENGINE_DTYPES}, got {self.vllm_dtype!r}.")
-        if self.vllm_cpu_kvcache_space <= 0:
-            raise ValueError(
-                f"vllm_cpu_kvcache_space must be a positive number of GiB, got {self.vllm_cpu_kvcache_space}; "
-                "1 is plenty for small models."
-            )
+        """Check the engine fields (the rules live in generation/engine_options.py); called by ``__post_init__``."""
+        self.vllm_sleep_level = check_sleep_level(self.vllm_sleep_level)
+        check_sync_mode(self.vllm_sync_mode)
+        check_engine_dtype(self.vllm_dtype)
+        check_positive("vllm_sync_bucket_mb", self.vllm_sync_bucket_mb)
+        check_kvcache_space(self.vllm_cpu_kvcache_space)
+
+    def engine_options(self) -> dict:
+        """The trlx_scale arguments of ``ColocatedVLLMGeneration`` these fields set (see ``from_config``)."""
+        return dict(
+            dtype=self.engine_dtype(),
+            enforce_eager=self.vllm_enforce_eager,
+            sync_mode=self.vllm_sync_mode,
+            sleep_level=self.vllm_sleep_level,
+            sync_bucket_mb=self.vllm_sync_bucket_mb,
+        )
