@@ -176,6 +176,8 @@ def test_online_round_builds_valid_pairs_from_the_policy_and_trains(default_mode
         reward_funcs=exact_match_reward,
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
     )
+    # The trainer works on its own copy of the config: the caller's keeps remove_unused_columns as given.
+    assert args.remove_unused_columns and not trainer.args.remove_unused_columns
     examples = [trainer.train_dataset[i] for i in range(8)]
     pairs = trainer._online_round(examples)
     assert pairs, "the pre-trained model answers some prompts right and some wrong"

@@ -54,12 +54,16 @@ def test_identical_to_trl_when_no_option_is_on(default_model_dir, tmp_path):
 def test_script_written_for_trl_runs_with_trlx_scale_import(default_model_dir, tmp_path):
     """A TRL config object (no trlx_scale fields) with vLLM colocate: one engine, TRL's defaults, it trains."""
     before = _engine_ids()
+    args = _small_args(trl.GRPOConfig, tmp_path, use_vllm=True, vllm_mode="colocate")
+    given = {name: getattr(args, name) for name in args.__dataclass_fields__}
     trainer = GRPOTrainer(
         model=default_model_dir,
         reward_funcs=exact_match_reward,
-        args=_small_args(trl.GRPOConfig, tmp_path, use_vllm=True, vllm_mode="colocate"),
+        args=args,
         train_dataset=addition_dataset("train", size=64),
     )
+    # TRL was handed a copy saying use_vllm=False (so it starts no engine); the caller's object never changed.
+    assert {name: getattr(args, name) for name in args.__dataclass_fields__} == given
     assert _engine_ids() - before == {id(trainer.vllm_generation)}, "exactly one engine per process"
     assert isinstance(trainer.vllm_generation, ColocatedVLLMGeneration) and trainer.use_vllm
     assert trainer.args.use_vllm, "the user's config object is left as it was given"

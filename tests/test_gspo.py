@@ -51,7 +51,9 @@ def _loss_and_grads(default_model_dir, tmp_path, level, inputs):
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    assert trainer.importance_sampling_level == level  # restored after the call
+    # GSPO-token runs TRL's token branch on shifted log-probs; the level is mapped once, at start (no per-call flip).
+    assert trainer.sequence_token_ratios == (level == "sequence_token")
+    assert trainer.importance_sampling_level == ("token" if level == "sequence_token" else level)
     return loss.detach(), grads
 
 
@@ -121,7 +123,11 @@ def test_gspo_token_trains_with_the_colocated_engine(default_model_dir, tmp_path
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
-    assert trainer.state.global_step == 3 and trainer.importance_sampling_level == "sequence_token"
+    assert (
+        trainer.state.global_step == 3
+        and trainer.sequence_token_ratios
+        and trainer.args.importance_sampling_level == "sequence_token"
+    )
     assert (
         min(entry["frac_reward_zero_std"] for entry in trainer.state.log_history if "frac_reward_zero_std" in entry)
         < 1

@@ -23,6 +23,8 @@ NEW_METHODS = {
         "_shared_prefix_blocker",
         "_shared_prefix_logps",
         "_planner_extra_roles",
+        "_postprocess_loss_logps",
+        "_score_rollout",
     },
     DPOTrainer: {
         "_colocated_engine",
@@ -42,6 +44,8 @@ NEW_METHODS = {
         "_step_critic",
         "_planner_algorithm",
         "_planner_extra_roles",
+        "_postprocess_loss_logps",
+        "_score_rollout",
     },
     ColocatedVLLMGeneration: {
         "llm_kwargs",
@@ -170,6 +174,17 @@ def test_trl_init_uses_use_vllm_only_where_we_replay_it():
     assert (
         'if self.importance_sampling_level == "token":\n            log_importance_weights = log_ratio' in loss_source
     )
+    # The seams: _score_rollout gets the rewards TRL computes inside _generate_and_score_completions, and the loss
+    # pass's log-probs come from _get_per_token_logps_and_entropies, called by _compute_loss; TRL reads
+    # importance_sampling_level only in _compute_loss (GSPO-token maps to its "token" branch once, at start).
+    score_source = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    assert "self._calculate_rewards(" in score_source
+    uses = [
+        name
+        for name, member in vars(trl.GRPOTrainer).items()
+        if callable(member) and "self.importance_sampling_level" in inspect.getsource(member)
+    ]
+    assert sorted(uses) == ["__init__", "_compute_loss"], uses
     generation_source = inspect.getsource(trl.GRPOTrainer._generate_single_turn)
     assert "self.vllm_generation.sync_weights()" in generation_source
     assert "self._last_loaded_step" in generation_source

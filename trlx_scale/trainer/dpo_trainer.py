@@ -14,6 +14,7 @@ What it adds:
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from collections.abc import Callable
@@ -105,7 +106,9 @@ class DPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
         if ours and args.uses_engine:
             configure_vllm_cpu_environment(args.vllm_cpu_kvcache_space)
         if self._online:
-            # Prompt-only rows reach training_step untouched (the reward functions read their extra columns).
+            # Prompt-only rows reach training_step untouched (the reward functions read their extra columns); set
+            # on a copy, never on the caller's config.
+            args = copy.copy(args)
             args.remove_unused_columns = False
             data_collator = data_collator or _keep_examples
         super().__init__(

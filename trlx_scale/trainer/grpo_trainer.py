@@ -8,6 +8,7 @@ ratios (``trlx_scale.losses``) and the shared-prefix log-prob pass (``trlx_scale
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -74,50 +75,81 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
         colocate = args is not None and args.use_vllm and args.vllm_mode == "colocate"
         if colocate:
             configure_vllm_cpu_environment(option(args, GRPOConfig, "vllm_cpu_kvcache_space"))
-            # TRL creates its own engine eagerly in __init__ and two engines must never start: TRL sees
-            # use_vllm=False while it sets up, and ours is built right after (see _build_colocated_engine).
+            # TRL creates its own engine eagerly in __init__ and two engines must never start: TRL is handed a copy
+            # of the config that says use_vllm=False (the caller's object is never changed), and our engine is
+            # built right after (see _build_colocated_engine).
+            args = copy.copy(args)
             args.use_vllm = False
-        try:
-            super().__init__(
-                model=model,
-                reward_funcs=reward_funcs,
-                args=args,
-                train_dataset=train_dataset,
-                eval_dataset=eval_dataset,
-                processing_class=processing_class,
-                reward_processing_classes=reward_processing_classes,
-                callbacks=callbacks,
-                optimizers=optimizers,
-                quantization_config=quantization_config,
-                peft_config=peft_config,
-                tools=tools,
-                rollout_func=rollout_func,
-                environment_factory=environment_factory,
-            )
-        finally:
-            if colocate:
-                args.use_vllm = True
+        self._loss_pass_inputs = None  # the batch of the loss pass in progress (see _compute_loss)
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )
+        # GSPO-token runs through TRL's "token" branch: its weights come from the loss pass's log-probs, shifted in
+        # _postprocess_loss_logps (TRL reads this attribute only in _compute_loss; pinned by a contract test).
+        self.sequence_token_ratios = self.importance_sampling_level == "sequence_token"
+        if self.sequence_token_ratios:
+            self.importance_sampling_level = "token"
         self._setup_master_weights()
         if colocate:
+            self.args.use_vllm = True  # our copy: this run does generate with vLLM
             self.use_vllm = True
             self._check_vllm_only_options()
             self.vllm_generation = self._build_colocated_engine()
             self._last_loaded_step = -1  # TRL's tag: sync once per optimizer step, not per micro-batch
 
     def _compute_loss(self, model, inputs):
-        if self.importance_sampling_level != "sequence_token":
-            return super()._compute_loss(model, inputs)
-        # GSPO-token. TRL computes the importance weights inline as `per_token_logps - old_per_token_logps` (pinned by
-        # a contract test) with no hook, so TRL runs its "token" branch on shifted log-probs whose difference from
-        # the old ones is GSPO-token's log weight (losses.log_importance_weights). The config allows this level only
-        # with loss_type="grpo", beta=0 and no off-policy mask, where the log-probs feed nothing but that difference.
-        self._sequence_token_inputs = inputs
-        self.importance_sampling_level = "token"
+        # TRL computes the loss pass's log-probs inside _compute_loss and forms the ratios inline; the batch rides
+        # along so that _postprocess_loss_logps (the seam subclasses override) sees it.
+        self._loss_pass_inputs = inputs
         try:
             return super()._compute_loss(model, inputs)
         finally:
-            self.importance_sampling_level = "sequence_token"
-            self._sequence_token_inputs = None
+            self._loss_pass_inputs = None
+
+    def _postprocess_loss_logps(self, logps: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """Seam: the loss pass's per-token log-probs, before TRL turns them into importance ratios.
+
+        GSPO-token: TRL's token branch computes `per_token_logps - old_per_token_logps` (pinned by a contract test);
+        returning `old + w` makes that difference GSPO-token's log weight `w` (losses.log_importance_weights). The
+        config allows this level only with loss_type="grpo", beta=0 and no off-policy mask, where the log-probs feed
+        nothing but that difference.
+        """
+        if not self.sequence_token_ratios:
+            return logps
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        return old + log_importance_weights(logps, old, mask, "sequence_token")
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # TRL turns these into advantages inside _generate_and_score_completions and returns only those; kept for
+        # _score_rollout, which runs as soon as that call returns.
+        self._rollout_rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        rewards_per_func, self._rollout_rewards_per_func = self._rollout_rewards_per_func, None
+        return self._score_rollout(output, rewards_per_func)
+
+    def _score_rollout(self, output: dict, rewards_per_func: torch.Tensor) -> dict:
+        """Seam: a subclass adds its own per-rollout quantities to TRL's batch (PPO: KL-penalized rewards, values,
+        GAE advantages). ``rewards_per_func``: (rows of all processes, reward functions), as TRL gathered them."""
+        return output
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -167,15 +199,9 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
                 mm_token_type_ids=mm_token_type_ids,
                 image_position_ids=image_position_ids,
             )
-        if getattr(self, "_logps_sink", None) is not None:  # a subclass asked for the pass's log-probs (PPO's KL)
-            self._logps_sink.append(logps.detach())
-        inputs = getattr(self, "_sequence_token_inputs", None)
-        if inputs is None:
-            return logps, entropies, aux_loss
-        old = inputs.get("old_per_token_logps")
-        old = logps.detach() if old is None else old
-        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
-        return old + log_importance_weights(logps, old, mask, "sequence_token"), entropies, aux_loss
+        if self._loss_pass_inputs is not None:
+            logps = self._postprocess_loss_logps(logps, self._loss_pass_inputs)
+        return logps, entropies, aux_loss
 
     def _shared_prefix_enabled(self, model) -> bool:
         """Resolve `shared_prefix` once, at the first pass (gradient checkpointing is switched on by then)."""

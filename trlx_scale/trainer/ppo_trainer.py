@@ -86,7 +86,6 @@ class PPOTrainer(GRPOTrainer):
         self.ppo_ref_model = self._build_reference(ref_model)
         self.critic_optimizer = self._build_critic_optimizer()
         self.add_callback(_StepCriticWithPolicy(self))
-        self._stashed_rewards: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ roles
 
@@ -163,20 +162,14 @@ class PPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ rollout: rewards, KL, values, GAE
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._stashed_rewards = rewards_per_func  # all processes' rows, as TRL gathers them
-        return rewards_per_func
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+    def _score_rollout(self, output, rewards_per_func):
         if not self.model.training:
             return output
         args, mode = self.args, "train"
         rows = output["completion_ids"].size(0)
         start = self.accelerator.process_index * rows
-        weights = self.reward_weights.to(self._stashed_rewards.device)
-        scores = (self._stashed_rewards * weights).nansum(dim=1)[start : start + rows]
+        weights = self.reward_weights.to(rewards_per_func.device)
+        scores = (rewards_per_func * weights).nansum(dim=1)[start : start + rows]
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         mask = output["completion_mask"].float()
@@ -234,13 +227,13 @@ class PPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ loss: policy (TRL) + value
 
+    def _postprocess_loss_logps(self, logps, inputs):
+        self._loss_pass_logps = logps.detach()  # the policy's log-probs of this loss pass, for the approximate KL
+        return super()._postprocess_loss_logps(logps, inputs)
+
     def _compute_loss(self, model, inputs):
-        self._logps_sink = []  # GRPOTrainer hands the loss pass's log-probs over (for the approximate KL)
-        try:
-            policy_loss = super()._compute_loss(model, inputs)
-            current_logps = torch.cat(self._logps_sink)
-        finally:
-            self._logps_sink = None
+        policy_loss = super()._compute_loss(model, inputs)
+        current_logps, self._loss_pass_logps = self._loss_pass_logps, None
         mode = "train" if self.model.training else "eval"
         if mode == "eval" or "returns" not in inputs:
             return policy_loss
