@@ -1,3 +1,22 @@
+"""The objectives, as pure tensor functions (no trainer state), each checked by hand in tests.
+
+What runs where (said plainly, because TRL computes the policy loss inline with no hook):
+
+- ``log_importance_weights`` (policy_losses.py): token / sequence (GSPO) / sequence_token (GSPO-token) log weights.
+  The trainers call it: GRPOTrainer's ``_postprocess_loss_logps`` seam turns the loss pass's log-probs into
+  GSPO-token's weights before TRL's token branch uses them.
+- ``clipped_policy_loss`` (policy_losses.py): the clipped surrogate that TRL's ``_compute_loss`` computes for GRPO
+  and PPO. The trainers do not call it; it is the *reference implementation* TRL's loss is checked against, for all
+  three ratio levels (tests/test_gspo.py), so a TRL change to that loss fails a test here.
+- ``clipped_value_loss`` (value_loss.py): PPO's value objective; PPOTrainer's ``_compute_loss`` adds it to TRL's
+  policy loss.
+
+Advantage estimation (GAE, KL-penalized rewards, whitening) shapes the rewards rather than the objective and lives
+in ``trlx_scale.ppo``. A new objective goes here as a pure function with a hand-count test, and reaches a trainer
+through one hook: ``_postprocess_loss_logps`` for a new ratio, an overridden ``_compute_loss`` for an added term
+(docs/contributing.md walks through both).
+"""
+
 from .policy_losses import LEVELS, clipped_policy_loss, log_importance_weights
 from .value_loss import clipped_value_loss
 

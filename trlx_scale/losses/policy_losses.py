@@ -1,4 +1,8 @@
-"""Clipped policy-gradient losses as pure tensor functions (no trainer state), shared by GRPO and PPO.
+"""Importance ratios and the clipped policy-gradient surrogate as pure tensor functions (no trainer state).
+
+``log_importance_weights`` is called by the trainers (GSPO-token). ``clipped_policy_loss`` is the reference
+implementation of the loss TRL computes inline for GRPO and PPO: tests compare TRL's loss with it (see
+``trlx_scale.losses``).
 
 Shapes: ``logps``, ``old_logps``, ``mask``: (B, T) per-token log-probs of the sampled completion tokens under the
 current and the behaviour policy, and 1 for real tokens / 0 for padding; ``advantages``: (B,).
@@ -47,6 +51,8 @@ def clipped_policy_loss(
     aggregation: str = "sequence_mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-style clipped surrogate, -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), aggregated over real tokens.
+
+    The reference TRL's inline loss is tested against (the trainers use TRL's, which has no hook to call this).
 
     ``aggregation``: "sequence_mean" averages each sequence over its tokens, then over sequences (every sequence
     weighs the same: GSPO's choice); "token_mean" averages over all real tokens of the batch (longer sequences weigh
