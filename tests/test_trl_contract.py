@@ -48,6 +48,10 @@ NEW_METHODS = {
         "_score_rollout",
     },
     ColocatedVLLMGeneration: {
+        "from_config",
+        "_join_tensor_parallel_group",
+        "_export_launcher_environment",
+        "_record_generation",
         "llm_kwargs",
         "_quantization",
         "_engine_torch_dtype",
@@ -188,3 +192,42 @@ def test_trl_init_uses_use_vllm_only_where_we_replay_it():
     generation_source = inspect.getsource(trl.GRPOTrainer._generate_single_turn)
     assert "self.vllm_generation.sync_weights()" in generation_source
     assert "self._last_loaded_step" in generation_source
+
+
+def test_engine_copies_of_trl_init_vllm_still_match_trl():
+    """_init_vllm is ours (TRL builds vllm.LLM inline); what it copies from TRL 1.16's colocate branch must still be
+    TRL's, and every argument TRL gives vllm.LLM must be one ours gives too."""
+    import ast
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(VLLMGeneration._init_vllm))
+    calls = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "LLM"
+    ]
+    assert len(calls) == 1
+    trl_arguments = {keyword.arg for keyword in calls[0].keywords}
+    ours = inspect.getsource(ColocatedVLLMGeneration.llm_kwargs)
+    missing = [name for name in trl_arguments if f"{name}=" not in ours]
+    assert not missing, f"TRL now passes {missing} to vllm.LLM: mirror them in ColocatedVLLMGeneration.llm_kwargs"
+    for line in (
+        "torch.distributed.new_subgroups_by_enumeration(",
+        'os.environ["RANK"] = str(accelerator.process_index)',
+        'os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)',
+        'os.environ["WORLD_SIZE"] = str(accelerator.num_processes)',
+        "ensure_master_addr_port()",
+        "accelerator.wait_for_everyone()",
+    ):
+        assert line in source, line
+
+
+def test_trl_generate_drives_the_llm_the_way_grouped_llm_expects():
+    """GroupedLLM stands in for vllm.LLM inside TRL's colocate generate: one row per completion (n=1) through
+    llm.generate(rows, sampling_params=..., use_tqdm=False); wake_up/sleep only around it."""
+    source = inspect.getsource(VLLMGeneration.generate)
+    assert '"n": 1,  # vLLM on each GPU generates only 1 in colocate mode' in source
+    assert "self.llm.generate(vllm_prompts, sampling_params=sampling_params, use_tqdm=False)" in source
+    llm_calls = sorted(set(re.findall(r"self\.llm\.(\w+)\(", source)))
+    assert llm_calls == ["generate", "sleep", "wake_up"], llm_calls
+    assert "extract_logprobs(all_outputs)" in source and "output.prompt_token_ids" in source

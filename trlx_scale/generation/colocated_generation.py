@@ -4,16 +4,18 @@ It subclasses TRL's ``VLLMGeneration`` and keeps its interface (``sync_weights()
 TRL's trainer code drives it unchanged, and it is the only object that talks to vLLM. Per rollout:
 
     wake(weights) -> sync (LoRA adapter only, or every weight in buckets) -> wake(kv_cache) -> reset prefix cache
-    -> generate each unique prompt once with n samples -> sleep
+    -> TRL's generate, each group's prompt sent once with n samples -> sleep
 
-What it adds to TRL's engine:
+What is TRL's and what is ours:
 
-- the explicit sleep/wake lifecycle (``lifecycle.EngineLifecycle``), level chosen by the sync mode;
-- LoRA-only weight sync and bucketed full sync (``weight_sync``), through vLLM's in-place reload where the
-  per-parameter path is broken (``trlx_scale.compat.vllm_weight_reload``);
-- prefix-cached group generation (``group_generation``);
-- ``dtype`` and ``enforce_eager`` for the engine (TRL leaves both to vLLM: bf16 on CPU even for an fp32
-  checkpoint, and a ~35 s torch.compile at start-up on CPU);
+- ``generate`` is TRL's (``super().generate``: sampling parameters, structured outputs, tensor-parallel gather and
+  slice, images), run on ``GroupedLLM`` (``grouped_llm``: a group's prompt once with n samples, the adapter served)
+  inside the explicit sleep/wake lifecycle (``lifecycle.EngineLifecycle``, level chosen by the sync mode);
+- ``_init_vllm`` is ours: TRL builds the ``vllm.LLM`` inline with no hook for the arguments added here (``dtype``,
+  ``enforce_eager``, LoRA serving, prefix caching); its tensor-parallel groups and launcher environment are copied
+  from TRL 1.16.0 in two small helpers, pinned by tests/test_trl_contract.py;
+- ``sync_weights`` is ours: LoRA-only and bucketed full sync (``weight_sync``), through vLLM's in-place reload where
+  the per-parameter path is broken (``trlx_scale.compat.vllm_weight_reload``);
 - per-round metrics (``pop_metrics``): sync time and bytes, wake/sleep/generation time, tokens/s, device memory.
 """
 
@@ -22,11 +24,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import nullcontext
 
 import torch
 from transformers import is_bitsandbytes_available
-from trl.generation.vllm_generation import VLLMGeneration, extract_logprobs
+from trl.generation.vllm_generation import VLLMGeneration
 from trl.import_utils import is_vllm_available
 from trl.trainer.utils import ensure_master_addr_port
 
@@ -38,7 +39,7 @@ from ..compat.vllm_weight_reload import (
 )
 from .cpu_environment import running_on_cpu_only
 from .engine_options import check_positive, check_sleep_level, check_sync_mode, check_vllm_dtype, resolve_sleep_level
-from .group_generation import collapse_runs, expand_outputs
+from .grouped_llm import GroupedLLM
 from .lifecycle import EngineLifecycle
 from .weight_sync import LoRAAdapterSync, choose_sync_mode, full_weight_stream, is_fsdp2_sharded, is_peft_model
 
@@ -75,7 +76,6 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         self.sync_bucket_bytes = int(check_positive("vllm_sync_bucket_mb", sync_bucket_mb) * 2**20)
         self._tied_aliases: dict[str, str] | None = None
         self._metrics: dict[str, float] = {}
-        self._lora_request = None
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ construction
@@ -143,7 +143,6 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        accelerator = self.accelerator
         self.sleep_supported = current_platform.is_sleep_mode_available()
         if self.enable_sleep_mode and not self.sleep_supported:
             logger.warning(
@@ -158,28 +157,12 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         if self.sync_mode == "lora":
             self._lora_sync = LoRAAdapterSync(self.model, self._dist.gather_params, self._engine_torch_dtype())
 
-        if accelerator.num_processes % self.tensor_parallel_size != 0:
-            raise ValueError(
-                f"vllm_tensor_parallel_size ({self.tensor_parallel_size}) must divide the number of processes "
-                f"({accelerator.num_processes}); choose a divisor of it."
-            )
-        if self.tensor_parallel_size > 1:
-            # Consecutive ranks form one tensor-parallel group: [0, 1], [2, 3], ... for size 2.
-            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
-                [
-                    list(range(i * self.tensor_parallel_size, (i + 1) * self.tensor_parallel_size))
-                    for i in range(accelerator.num_processes // self.tensor_parallel_size)
-                ]
-            )
-        # The external launcher reads the process layout from the environment.
-        os.environ["RANK"] = str(accelerator.process_index)
-        os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
-        os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
-        ensure_master_addr_port()
-
-        self.llm = LLM(**self.llm_kwargs())
+        self._join_tensor_parallel_group()
+        self._export_launcher_environment()
+        engine = LLM(**self.llm_kwargs())
+        self.llm = GroupedLLM(engine)
         self.lifecycle = EngineLifecycle(
-            self.llm,
+            engine,
             sleep_level=self.sleep_level,
             enabled=self.sleep_supported and self.enable_sleep_mode,
             start_asleep=False,
@@ -188,8 +171,29 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             # The engine loaded the checkpoint; nothing generates before the first sync, so hand the memory back.
             self.lifecycle.sleep()
         self._llm_weights_sleeping = self.lifecycle.weights_discarded
-        # Keep ranks together after the (uneven) engine start-up; DeepSpeed hangs otherwise.
-        accelerator.wait_for_everyone()
+        # Keep ranks together after the (uneven) engine start-up; DeepSpeed hangs otherwise (TRL does the same).
+        self.accelerator.wait_for_everyone()
+
+    # Copied from TRL 1.16.0 ``VLLMGeneration._init_vllm`` (colocate branch), which builds the ``vllm.LLM`` inline and
+    # leaves no hook for the engine arguments trlx_scale adds; tests/test_trl_contract.py pins these lines of TRL's.
+    def _join_tensor_parallel_group(self) -> None:
+        tp, world = self.tensor_parallel_size, self.accelerator.num_processes
+        if world % tp != 0:
+            raise ValueError(
+                f"vllm_tensor_parallel_size ({tp}) must divide the number of processes ({world}); choose a divisor."
+            )
+        if tp > 1:
+            # Consecutive ranks form one tensor-parallel group: [0, 1], [2, 3], ... for size 2.
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [list(range(i * tp, (i + 1) * tp)) for i in range(world // tp)]
+            )
+
+    def _export_launcher_environment(self) -> None:
+        """vLLM's external launcher reads the process layout from the environment."""
+        os.environ["RANK"] = str(self.accelerator.process_index)
+        os.environ["LOCAL_RANK"] = str(self.accelerator.local_process_index)
+        os.environ["WORLD_SIZE"] = str(self.accelerator.num_processes)
+        ensure_master_addr_port()
 
     def _engine_torch_dtype(self) -> torch.dtype:
         if self.dtype in _DTYPES:
@@ -212,7 +216,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
                     self._tied_aliases = tied_weight_aliases(self.model)
                 self._push_weights(with_tied_aliases(self._lora_sync.base_weights(), self._tied_aliases))
             sent = self._lora_sync.write_adapter()
-            self._lora_request = self._lora_sync.request()
+            self.llm.lora_request = self._lora_sync.request()
         else:
             counter: dict[str, int] = {}
             self._push_weights(self._full_weights(counter))
@@ -251,87 +255,32 @@ class ColocatedVLLMGeneration(VLLMGeneration):
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts, images, num_generations, profiler=None):
-        """TRL's colocate ``generate`` contract: per row, (prompt_ids, completion_ids, logprobs, logprob_token_ids)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
-
-        profiler = profiler or nullcontext()
+        """TRL's colocate ``generate``, run on ``GroupedLLM`` inside the engine's lifecycle:
+        sync if asleep -> wake the KV cache -> reset the prefix cache -> TRL's generate -> sleep."""
         memory_before = _device_memory()
         if self.lifecycle.state is self.lifecycle.state.ASLEEP:
             self.sync_weights()  # slept since the last sync: weights to wake (level 1) or to refill (level 2)
         self.lifecycle.wake_kv_cache()
-
-        sampling = {
-            "repetition_penalty": self.repetition_penalty,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": 0.0 if self.min_p is None else self.min_p,
-            "max_tokens": self.max_completion_length,
-            "logprobs": self.logprobs,
-        }
-        sampling.update(self.generation_kwargs)
-        if self.structured_outputs_regex is not None:
-            sampling["structured_outputs"] = StructuredOutputsParams(regex=self.structured_outputs_regex)
-        elif isinstance(structured := sampling.get("structured_outputs"), dict):
-            sampling["structured_outputs"] = StructuredOutputsParams(**structured)
-
-        if self.tensor_parallel_size > 1:
-            local_size = len(prompts)
-            gathered = [None] * self.tensor_parallel_size
-            torch.distributed.all_gather_object(gathered, prompts, group=self.tp_group)
-            all_prompts = [p for chunk in gathered for p in chunk]
-            gathered_images = [None] * self.tensor_parallel_size
-            local_images = images if images is not None else [None] * len(prompts)
-            torch.distributed.all_gather_object(gathered_images, local_images, group=self.tp_group)
-            all_images = [img for chunk in gathered_images for img in chunk]
-            if all(img is None for img in all_images):
-                all_images = None
-        else:
-            all_prompts, all_images = prompts, images
-
-        runs = collapse_runs(all_prompts, all_images)
-        requests, params = [], []
-        for first, count in runs:
-            request = {"prompt_token_ids": list(all_prompts[first])}
-            if all_images is not None and all_images[first] is not None:
-                image = all_images[first]
-                request["multi_modal_data"] = {"image": image if len(image) > 1 else image[0]}
-            requests.append(request)
-            params.append(SamplingParams(n=count, **sampling))
-
-        if is_peft_model(self.model) and self.tensor_parallel_size > 1:
-            # Let the small LoRA all-reduce drain before vLLM's own collectives (TRL issue 3671).
-            torch.distributed.barrier(device_ids=[self.accelerator.local_process_index])
-
         self.lifecycle.begin_generation()
         start = time.perf_counter()
-        with profiler:
-            outputs = self.llm.generate(
-                requests, sampling_params=params, lora_request=self._lora_request, use_tqdm=False
-            )
-        generation_seconds = time.perf_counter() - start
-        memory_awake = _device_memory()
-        self.lifecycle.end_generation(sleep=self.enable_sleep_mode)
-        self._llm_weights_sleeping = self.lifecycle.weights_discarded
+        try:
+            result = super().generate(prompts, images, num_generations, profiler)
+        finally:
+            # Also after a failure, so that the engine never stays GENERATING (a retry would be refused).
+            seconds = time.perf_counter() - start
+            memory_awake = _device_memory()
+            self.lifecycle.end_generation(sleep=self.enable_sleep_mode)
+            self._llm_weights_sleeping = self.lifecycle.weights_discarded
+        self._record_generation(result[1], seconds, memory_before, memory_awake)
+        return result
 
-        samples = expand_outputs(runs, [list(o.outputs) for o in outputs])
-        prompt_ids = expand_outputs(runs, [[o.prompt_token_ids] * len(o.outputs) for o in outputs])
-        completion_ids = [sample.token_ids for sample in samples]
-        logprobs, logprob_token_ids = extract_logprobs(_as_single_outputs(samples))
-        if self.tensor_parallel_size > 1:
-            rank_in_group = torch.distributed.get_rank(group=self.tp_group)
-            keep = slice(rank_in_group * local_size, (rank_in_group + 1) * local_size)
-            prompt_ids, completion_ids = prompt_ids[keep], completion_ids[keep]
-            logprobs = logprobs[keep] if logprobs is not None else None
-            logprob_token_ids = logprob_token_ids[keep] if logprob_token_ids is not None else None
-
+    def _record_generation(self, completion_ids, seconds: float, memory_before, memory_awake) -> None:
         tokens = sum(len(ids) for ids in completion_ids)
         self._metrics.update(
             {
-                "generation/seconds": generation_seconds,
-                "generation/tokens_per_second": tokens / max(generation_seconds, 1e-9),
-                "generation/unique_prompts": float(len(runs)),
+                "generation/seconds": seconds,
+                "generation/tokens_per_second": tokens / max(seconds, 1e-9),
+                "generation/unique_prompts": float(self.llm.last_unique_prompts),
                 "lifecycle/wake_weights_seconds": self.lifecycle.timings.get("wake_weights", 0.0),
                 "lifecycle/wake_kv_cache_seconds": self.lifecycle.timings.get("wake_kv_cache", 0.0),
                 "lifecycle/sleep_seconds": self.lifecycle.timings.get("sleep", 0.0),
@@ -341,7 +290,6 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             self._metrics["memory/device_gib_before_generation"] = memory_before
             self._metrics["memory/device_gib_during_generation"] = memory_awake
             self._metrics["memory/device_gib_after_sleep"] = _device_memory()
-        return prompt_ids, completion_ids, logprobs, logprob_token_ids
 
     def sequence_logprobs(self, sequences: list[list[int]], use_adapter: bool = False) -> list[list[float]]:
         """Log-prob of each token of each sequence given the tokens before it (``len - 1`` values per sequence).
@@ -358,10 +306,10 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, top_p=1.0, top_k=0)
         self.lifecycle.begin_generation()
         start = time.perf_counter()
-        outputs = self.llm.generate(
+        outputs = self.llm.inner.generate(
             [{"prompt_token_ids": list(ids)} for ids in sequences],
             sampling_params=params,
-            lora_request=self._lora_request if use_adapter else None,
+            lora_request=self.llm.lora_request if use_adapter else None,
             use_tqdm=False,
         )
         self._metrics["scoring/seconds"] = time.perf_counter() - start
@@ -377,19 +325,6 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         """Metrics of the rounds since the last call (the trainer logs them through TRL's metric path)."""
         metrics, self._metrics = self._metrics, {}
         return metrics
-
-
-class _SingleOutput:
-    """Adapter so TRL's ``extract_logprobs`` (which walks ``request.outputs``) reads one sample per row."""
-
-    __slots__ = ("outputs",)
-
-    def __init__(self, sample):
-        self.outputs = [sample]
-
-
-def _as_single_outputs(samples):
-    return [_SingleOutput(sample) for sample in samples]
 
 
 def _device_memory() -> float | None:
