@@ -15,8 +15,6 @@ import torch  # noqa: E402
 
 from trlx_scale.tasks.default_model import default_model_path  # noqa: E402
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
@@ -80,46 +78,3 @@ def restore_engine_weights(vllm_engine, default_model_dir):
     worker = vllm_engine.llm_engine.model_executor.driver_worker
     reload_weights_in_place(worker, model.state_dict().items())
     vllm_engine.reset_prefix_cache()
-
-
-def small_grpo_config(output_dir, config_cls=None, **overrides):
-    """A GRPO config for seconds-long runs on the default model: 2 prompts x 4 samples per step, fp32 on CPU."""
-    from trlx_scale import GRPOConfig
-
-    values = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=5,
-        max_steps=2,
-        learning_rate=1e-4,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        bf16=False,
-        seed=7,
-        disable_tqdm=True,
-    )
-    values.update(overrides)
-    return (config_cls or GRPOConfig)(**values)
-
-
-def logged(trainer, key):
-    """Every value of one metric in a trainer's log history, in order."""
-    return [entry[key] for entry in trainer.state.log_history if key in entry]
-
-
-def run_torchrun_report(script: str, report_path, port: int) -> dict:
-    """Run tests/distributed/<script> as 2 gloo processes under torchrun and return the JSON report it writes."""
-    import json
-    import subprocess
-    import sys
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
-    path = os.path.join(REPO_ROOT, "tests", "distributed", script)
-    result = subprocess.run(
-        [*command, path, str(report_path)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    with open(report_path) as handle:
-        return json.load(handle)

@@ -8,7 +8,7 @@ import pytest
 from trlx_scale.optim.distributed_precision import deepspeed_zero3_config
 from trlx_scale.optim.presets import PRESETS
 
-from .conftest import REPO_ROOT, run_torchrun_report
+from .helpers.launch import REPO_ROOT, run_torchrun_report
 
 
 @pytest.mark.distributed

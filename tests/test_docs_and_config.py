@@ -7,7 +7,7 @@ from trl import TrlParser
 
 from trlx_scale import GRPOConfig, config_reference
 
-from .conftest import REPO_ROOT
+from .helpers.launch import REPO_ROOT
 
 
 def test_configuration_reference_is_up_to_date():

@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from .conftest import REPO_ROOT
-from .test_examples import ACCELERATE, _run, _summary
+from .helpers.launch import ACCELERATE, REPO_ROOT, read_run_summary, run_command
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "dpo.py")
 
@@ -24,8 +23,10 @@ def test_help_lists_config_fields_as_flags():
 def test_dpo_example_improves_held_out_accuracy(tmp_path, mode):
     out = tmp_path / mode
     flags = ["--online"] if mode == "online" else ["--vllm_ref_log_probs"]
-    _run([ACCELERATE, "launch", "--num_processes", "1", EXAMPLE, *flags, "--output_dir", str(out)], timeout=1800)
-    summary = _summary(out)
+    run_command(
+        [ACCELERATE, "launch", "--num_processes", "1", EXAMPLE, *flags, "--output_dir", str(out)], timeout=1800
+    )
+    summary = read_run_summary(out)
     gain = summary["accuracy_after"] - summary["accuracy_before"]
     assert gain >= 0.03, summary  # measured on 300 held-out: offline +8.7, online +10.7 points (docs/benchmarks.md)
     assert (out / "adapter_model.safetensors").is_file() and "trlx-scale" in (out / "README.md").read_text()

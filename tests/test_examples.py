@@ -1,39 +1,17 @@
 """examples/grpo.py end to end: one process, two processes through `accelerate launch`, and real learning."""
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from .conftest import REPO_ROOT
+from .helpers.launch import ACCELERATE, REPO_ROOT, read_run_summary, run_command
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "grpo.py")
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
-
-
-# torch.distributed variables a colocated engine earlier in this pytest process exported (and whose port that process
-# still holds): a launched example must pick its own, or its process group fails with EADDRINUSE.
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-
-
-def _run(command, timeout):
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    for name in LAUNCH_VARIABLES:
-        env.pop(name, None)
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
-    return result
-
-
-def _summary(output_dir):
-    with open(os.path.join(output_dir, "run_summary.json")) as handle:
-        return json.load(handle)
 
 
 def test_help_lists_config_fields_as_flags():
-    result = _run([sys.executable, EXAMPLE, "--help"], timeout=300)
+    result = run_command([sys.executable, EXAMPLE, "--help"], timeout=300)
     for flag in ("--vllm_dtype", "--vllm_cpu_kvcache_space", "--num_generations", "--use_peft", "--answer_column"):
         assert flag in result.stdout, flag
 
@@ -41,11 +19,11 @@ def test_help_lists_config_fields_as_flags():
 @pytest.mark.slow
 def test_example_single_process_saves_adapter_and_summary(tmp_path):
     out = tmp_path / "run"
-    result = _run(
+    result = run_command(
         [sys.executable, EXAMPLE, "--max_steps", "3", "--eval_size", "40", "--output_dir", str(out)], timeout=900
     )
     assert "held-out acc." in result.stdout
-    summary = _summary(out)
+    summary = read_run_summary(out)
     assert summary["steps"] == 3 and summary["world_size"] == 1
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     # Saved through the standard Trainer path: the LoRA adapter and a model card.
@@ -58,12 +36,12 @@ def test_example_two_processes_through_accelerate_launch(tmp_path):
     """DDP on CPU (gloo), one vLLM engine per process, LoRA with fp32 masters (bf16 model) under DDP."""
     out = tmp_path / "run2"
     config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml")
-    result = _run(
+    result = run_command(
         [ACCELERATE, "launch", "--config_file", config, "--num_processes", "2", EXAMPLE]
         + ["--max_steps", "3", "--eval_size", "40", "--output_dir", str(out), "--optim_preset", "grpo_lora"],
         timeout=1200,
     )
-    summary = _summary(out)
+    summary = read_run_summary(out)
     assert summary["world_size"] == 2 and summary["steps"] == 3
     assert (
         "optimizer preset 'grpo_lora'" in result.stdout and "fp32_master_weights: model held in bf16" in result.stdout
@@ -83,13 +61,13 @@ def test_example_under_deepspeed_zero3_syncs_gathered_weights(tmp_path, use_peft
     bucket and sends every weight; either way vLLM stays in sync with the sharded policy."""
     out = tmp_path / "zero3"
     config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml")
-    _run(
+    run_command(
         [ACCELERATE, "launch", "--config_file", config, EXAMPLE]
         + ["--max_steps", "2", "--eval_size", "40", "--output_dir", str(out), "--logging_steps", "1"]
         + ["--use_peft", use_peft, "--learning_rate", "1e-4", "--vllm_sync_bucket_mb", "1"],
         timeout=1200,
     )
-    summary = _summary(out)
+    summary = read_run_summary(out)
     assert summary["world_size"] == 2 and summary["steps"] == 2
     assert summary["sync_logprob_gap_max"] < 1e-3
     assert summary["sync_bytes_last"] == expected_bytes
@@ -99,8 +77,8 @@ def test_example_under_deepspeed_zero3_syncs_gathered_weights(tmp_path, use_peft
 def test_default_run_improves_held_out_accuracy(tmp_path):
     """The README's main job, as `make run` launches it: held-out accuracy must rise clearly."""
     out = tmp_path / "learn"
-    _run([ACCELERATE, "launch", "--num_processes", "1", EXAMPLE, "--output_dir", str(out)], timeout=1800)
-    summary = _summary(out)
+    run_command([ACCELERATE, "launch", "--num_processes", "1", EXAMPLE, "--output_dir", str(out)], timeout=1800)
+    summary = read_run_summary(out)
     gain = summary["accuracy_after"] - summary["accuracy_before"]
     assert gain >= 0.04, summary  # measured: +9.8 points (41.3% -> 51.2%, shared_prefix on)
 

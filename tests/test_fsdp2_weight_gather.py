@@ -3,7 +3,7 @@ accelerators)."""
 
 import pytest
 
-from .conftest import run_torchrun_report
+from .helpers.launch import run_torchrun_report
 
 
 @pytest.mark.distributed

@@ -9,7 +9,7 @@ from trlx_scale import GRPOTrainer
 from trlx_scale.optim.master_weights import MASTER_KEY, FP32MasterAdamW
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
-from .conftest import small_grpo_config
+from .helpers.trainers import small_grpo_config
 
 
 def _args(tmp_path, **overrides):

@@ -11,7 +11,7 @@ from trlx_scale import GRPOConfig, GRPOTrainer
 from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
-from .conftest import logged, small_grpo_config
+from .helpers.trainers import logged, small_grpo_config
 
 
 def _small_args(config_cls, tmp_path, **overrides):

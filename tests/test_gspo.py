@@ -7,7 +7,7 @@ from trlx_scale import GRPOConfig, GRPOTrainer
 from trlx_scale.losses import clipped_policy_loss
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
-from .conftest import small_grpo_config
+from .helpers.trainers import small_grpo_config
 
 
 def test_gspo_recipe_sets_the_paper_values_and_user_values_win(tmp_path):

@@ -8,7 +8,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from trlx_scale.cli import main as cli_main
 from trlx_scale.launch_config import SHIPPED_CONFIGS, LaunchPlan
 
-from .conftest import REPO_ROOT
+from .helpers.launch import REPO_ROOT
 
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs", "accelerate")
 

@@ -3,15 +3,13 @@ process 127.0.0.1), each node one CPU process with its own vLLM engine. Both nod
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import REPO_ROOT
+from .helpers.launch import ACCELERATE, REPO_ROOT
 
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "grpo.py")
 
 

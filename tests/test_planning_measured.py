@@ -11,14 +11,11 @@ Tolerances, from the runs that set them (docs/planning.md "Checked against measu
 
 import json
 import os
-import sys
 
 import pytest
 
-from .conftest import REPO_ROOT
-from .test_examples import _run
+from .helpers.launch import ACCELERATE, REPO_ROOT, run_command
 
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 ZERO3 = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml")
 SINGLE = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 DPO_SCRIPT = os.path.join(REPO_ROOT, "tests", "distributed", "dpo_memory_plan.py")
@@ -34,7 +31,7 @@ def _relative_gap(planned: float, measured: float) -> float:
 def test_grpo_example_plan_matches_measured_peak(tmp_path, launch):
     out = tmp_path / "run"
     example = os.path.join(REPO_ROOT, "examples", "grpo.py")
-    result = _run(
+    result = run_command(
         [ACCELERATE, "launch", *launch, example, "--max_steps", "3", "--eval_size", "0", "--output_dir", str(out)],
         timeout=1200,
     )
@@ -75,7 +72,7 @@ def llama_34m(tmp_path_factory):
 
 def _dpo_reports(tmp_path, launch, model_dir):
     report = tmp_path / "report.json"
-    _run([ACCELERATE, "launch", *launch, DPO_SCRIPT, model_dir, str(report)], timeout=900)
+    run_command([ACCELERATE, "launch", *launch, DPO_SCRIPT, model_dir, str(report)], timeout=900)
     paths = [report] if report.exists() else sorted(tmp_path.glob("report.json.rank*"))
     return [json.loads(p.read_text()) for p in paths]
 

@@ -12,7 +12,7 @@ from trlx_scale.losses import clipped_value_loss
 from trlx_scale.ppo import AdaptiveKLController, gae, kl_penalty_rewards, masked_whiten, per_token_kl
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
-from .conftest import logged
+from .helpers.trainers import logged
 
 # ---------------------------------------------------------------- pure functions, by hand
 

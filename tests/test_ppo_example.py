@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from .conftest import REPO_ROOT
-from .test_examples import ACCELERATE, _run, _summary
+from .helpers.launch import ACCELERATE, REPO_ROOT, read_run_summary, run_command
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "ppo.py")
 
@@ -22,8 +21,8 @@ def test_help_lists_config_fields_as_flags():
 @pytest.mark.slow
 def test_ppo_example_improves_held_out_accuracy(tmp_path):
     out = tmp_path / "ppo"
-    _run([ACCELERATE, "launch", "--num_processes", "1", EXAMPLE, "--output_dir", str(out)], timeout=2400)
-    summary = _summary(out)
+    run_command([ACCELERATE, "launch", "--num_processes", "1", EXAMPLE, "--output_dir", str(out)], timeout=2400)
+    summary = read_run_summary(out)
     gain = summary["accuracy_after"] - summary["accuracy_before"]
     assert gain >= 0.03, summary  # measured on 300 held-out: +11.3 points (docs/benchmarks.md)
     assert (out / "adapter_model.safetensors").is_file() and "trlx-scale" in (out / "README.md").read_text()

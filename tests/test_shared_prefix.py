@@ -22,7 +22,7 @@ from trlx_scale.prefix.shared_prefix import (
 )
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
-from .conftest import small_grpo_config
+from .helpers.trainers import small_grpo_config
 
 PROMPT_LEN, COMPLETION_LEN = 9, 6
 

@@ -2,7 +2,7 @@
 
     python -m trlx_scale.config_reference > docs/configuration.md
 
-``tests/test_docs.py`` fails when the committed file differs from what this prints.
+``tests/test_docs_and_config.py`` fails when the committed file differs from what this prints.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from peft import LoraConfig
 from trlx_scale import GRPOTrainer
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
-from .conftest import logged, small_grpo_config
+from ..helpers.trainers import logged, small_grpo_config
 
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
 
