@@ -12,7 +12,7 @@ from trlx_scale.losses import clipped_value_loss
 from trlx_scale.ppo import AdaptiveKLController, gae, kl_penalty_rewards, masked_whiten, per_token_kl
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
-from .helpers.trainers import logged
+from .helpers.trainers import logged, small_grpo_config
 
 # ---------------------------------------------------------------- pure functions, by hand
 
@@ -93,23 +93,8 @@ def test_masked_whitening_ignores_padding():
 
 
 def _args(output_dir, **overrides):
-    values = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=5,
-        max_steps=2,
-        learning_rate=1e-4,
-        critic_learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        bf16=False,
-        seed=11,
-        disable_tqdm=True,
-    )
-    values.update(overrides)
-    return PPOConfig(**values)
+    """The shared small config (tests/helpers/trainers.py) as a PPOConfig, with a critic learning rate."""
+    return small_grpo_config(output_dir, PPOConfig, **{"critic_learning_rate": 1e-3, "seed": 11, **overrides})
 
 
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")

@@ -142,6 +142,22 @@ SHARED_EXAMPLE_DEFAULTS: dict[str, Any] = dict(
     report_to="none",
     seed=42,
 )
+# What the on-policy RL examples (GRPO, PPO) share on the embedded task: vLLM colocated, 16 prompts x 8 completions per
+# process and step, completions long enough for a two-digit answer, 200 steps at the LoRA learning rate tuned there
+# (docs/quickstart.md: at 1e-3 LoRA gains less and at 2e-3 it collapses), and each prompt's completions scored with
+# one pass over the prompt (shared_prefix; exact, off with the reason logged where it cannot apply).
+ROLLOUT_EXAMPLE_DEFAULTS: dict[str, Any] = dict(
+    use_vllm=True,
+    vllm_mode="colocate",
+    max_steps=200,
+    per_device_train_batch_size=128,
+    num_generations=8,
+    max_completion_length=6,
+    temperature=1.0,
+    learning_rate=5e-4,
+    shared_prefix="auto",
+    logging_steps=20,
+)
 # Fields an --optim_preset fills: an example's own values for them step aside when a preset is chosen, whether on the
 # command line or in a --config file.
 OPTIMIZER_FIELDS = ("learning_rate", "lr_scheduler_type", "warmup_steps")
