@@ -70,6 +70,16 @@ def _parameters(func):
 CONFIGS = ((GRPOConfig, trl.GRPOConfig), (DPOConfig, trl.DPOConfig), (PPOConfig, trl.GRPOConfig))
 
 
+def test_top_level_api_is_trainers_and_configs_and_old_demo_names_warn():
+    assert set(trlx_scale.__all__) == {
+        "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer", "__version__",
+    }  # fmt: skip
+    from trlx_scale.tasks import addition_dataset
+
+    with pytest.warns(FutureWarning, match="moved to trlx_scale.tasks.addition_dataset"):
+        assert trlx_scale.addition_dataset is addition_dataset
+
+
 def test_public_names():
     assert issubclass(trlx_scale.GRPOTrainer, trl.GRPOTrainer)
     assert issubclass(trlx_scale.GRPOConfig, trl.GRPOConfig)
