@@ -10,9 +10,9 @@ trlx-scale plan --params 7e9 --layers 32 --hidden 4096 --heads 32 --algo grpo --
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from .atomic_files import write_text_atomically
 from .launch_config import BACKENDS, MAIN_NODE_IP_PLACEHOLDER, LaunchPlan
 from .planning.command import add_plan_parser
 
@@ -38,10 +38,7 @@ def _accelerate_config(args: argparse.Namespace) -> int:
     if args.output == "-":
         sys.stdout.write(text)
     else:
-        temporary = f"{args.output}.tmp-{os.getpid()}"
-        with open(temporary, "w") as handle:
-            handle.write(text)
-        os.replace(temporary, args.output)  # never a half-written config
+        write_text_atomically(args.output, text)  # never a half-written config
         print(f"wrote {args.output}: {plan.world_size} processes, {args.backend}", file=sys.stderr)
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)

@@ -14,6 +14,7 @@ import os
 import shlex
 import sys
 
+from ..atomic_files import write_text_atomically
 from .hardware import ACCELERATORS, resolve_accelerator
 from .memory_model import ALGORITHMS, GIB, PLAN_BACKENDS, PRECISIONS, Plan, RunSpec
 from .model_shape import ALL_LINEAR, ModelShape
@@ -332,9 +333,6 @@ def write_launch_files(args: argparse.Namespace, report: PlanReport) -> dict:
         + f": peak {rec.per_gpu_gib:.1f} GiB per GPU planned.\nset -euo pipefail\n{command}\n"
     )
     for path, content in ((config_path, text), (launch_path, body)):
-        temporary = f"{path}.tmp-{os.getpid()}"
-        with open(temporary, "w") as handle:
-            handle.write(content)
-        os.replace(temporary, path)  # never a half-written file
+        write_text_atomically(path, content)  # never a half-written file
     os.chmod(launch_path, 0o755)
     return {"config": config_path, "launch": launch_path, "command": command}

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
+
+from ..atomic_files import write_text_atomically
 
 
 @dataclass
@@ -45,11 +46,7 @@ class RunSummary:
 
     def write_json(self, path: str) -> None:
         """Write the summary atomically (temporary file + rename): a reader never sees half a file."""
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        temporary = f"{path}.tmp-{os.getpid()}"
-        with open(temporary, "w") as handle:
-            json.dump(self.as_dict(), handle, indent=2)
-        os.replace(temporary, path)
+        write_text_atomically(path, json.dumps(self.as_dict(), indent=2))
 
     def render(self) -> str:
         def percent(value: float | None) -> str:
