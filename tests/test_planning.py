@@ -13,6 +13,8 @@ from trlx_scale.planning.memory_model import (
 )
 from trlx_scale.planning.resource_split import continuous_optimum
 
+from .helpers.models import tiny_llama_config
+
 # A small GQA model: 2 layers, hidden 64, 4 heads of 16, 2 KV heads, MLP 128, vocabulary 100, untied head.
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=100, intermediate=128)
 
@@ -27,17 +29,7 @@ def test_parameter_count_by_hand():
 
 
 def test_exact_count_from_a_transformers_config_matches_the_hand_count():
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        intermediate_size=128,
-        tie_word_embeddings=False,
-    )
+    config = tiny_llama_config()
     shape = ModelShape.from_config(config)
     assert shape.total_params == ModelShape(**TINY).total_params == 86848
     assert (shape.layers, shape.hidden, shape.kv, shape.dim, shape.intermediate) == (2, 64, 2, 16, 128)

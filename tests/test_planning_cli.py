@@ -10,6 +10,8 @@ from accelerate.commands.config.config_args import load_config_from_file
 
 from trlx_scale.cli import main as cli_main
 
+from .helpers.models import tiny_llama_config
+
 SEVEN_B = ["--params", "6.74e9", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "32000"]
 
 
@@ -61,17 +63,7 @@ def test_zero2_config_loads_through_accelerate(tmp_path):
 
 
 def test_model_read_from_a_local_directory(tmp_path, capsys):
-    from transformers import LlamaConfig
-
-    LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        intermediate_size=128,
-        tie_word_embeddings=False,
-    ).save_pretrained(tmp_path)
+    tiny_llama_config().save_pretrained(tmp_path)
     assert cli_main(["plan", "--model", str(tmp_path), "--gpu", "h200", "--gpus-per-node", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["params"] == 86848
 
