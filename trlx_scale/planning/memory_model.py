@@ -241,13 +241,18 @@ def state_bytes_per_param(precision: str, backend: str) -> tuple[int, int, int, 
     return weights, grads, masters, moments
 
 
+def shard_divisors(backend: str, gpus: int) -> tuple[int, int]:
+    """(weights, gradients and optimizer state) are split over this many GPUs: ZeRO-3/FSDP2 shard all three,
+    ZeRO-2 the last two, DDP nothing."""
+    return (gpus if backend in ("zero3", "fsdp2") else 1), (1 if backend == "ddp" else gpus)
+
+
 def training_state(
     params: float, precision: str, backend: str, offload: bool, gpus: int
 ) -> dict[str, tuple[float, float]]:
     """{part: (GPU bytes, host bytes)} for `params` trainable parameters under a backend."""
     weights, grads, masters, moments = state_bytes_per_param(precision, backend)
-    shard_weights = gpus if backend in ("zero3", "fsdp2") else 1
-    shard_rest = gpus if backend in ("zero2", "zero3", "fsdp2") else 1
+    shard_weights, shard_rest = shard_divisors(backend, gpus)
     parts = {
         "weights": params * weights / shard_weights,
         "gradients": params * grads / shard_rest,
@@ -312,7 +317,7 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
     else:
         trainable = model.lora_params(run.lora_rank, run.lora_targets) if run.lora_rank else total
     lora = trainable < total
-    shard_all = gpus if backend in ("zero3", "fsdp2") else 1
+    shard_all, shard_rest = shard_divisors(backend, gpus)
     roles: list[RoleMemory] = []
     notes: list[str] = []
     blockers: list[str] = []
@@ -330,9 +335,7 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
     o_gpu, o_host = state["optimizer"]
     label = "policy adapter" if lora else "policy"
     wb, gb, mb, ob = state_bytes_per_param(run.precision, backend)
-    shard_w = shard_all
-    shard_rest = 1 if backend == "ddp" else gpus
-    add(f"{label} weights", w_gpu, host=w_host, formula=f"{_n(trainable)} trainable x {wb} B / {shard_w}")
+    add(f"{label} weights", w_gpu, host=w_host, formula=f"{_n(trainable)} trainable x {wb} B / {shard_all}")
     # Gradients exist from the first backward to the optimizer step (zero_grad(set_to_none=True) frees them).
     add(f"{label} gradients", g_gpu, generation=0.0, host=g_host, formula=f"{_n(trainable)} x {gb} B / {shard_rest}")
     add(
