@@ -25,8 +25,11 @@ NEW_METHODS = {
         "_planner_extra_roles",
         "_postprocess_loss_logps",
         "_score_rollout",
+        "_is_reference_pass",
+        "_logps_and_entropies_pass",
     },
     DPOTrainer: {
+        "_reference_scoring",
         "_colocated_engine",
         "_online_round",
         "_planner_algorithm",
@@ -42,6 +45,7 @@ NEW_METHODS = {
         "_reference_logps",
         "_values",
         "_step_critic",
+        "_critic_optimizer_step",
         "_planner_algorithm",
         "_planner_extra_roles",
         "_postprocess_loss_logps",
@@ -56,6 +60,7 @@ NEW_METHODS = {
         "_quantization",
         "_engine_torch_dtype",
         "_full_weights",
+        "_sync_weights",
         "_push_weights",
         "pop_metrics",
         "sequence_logprobs",
@@ -129,6 +134,28 @@ def test_overridden_methods_exist_upstream_with_the_same_signature():
                 continue
             assert hasattr(parent, name), f"{parent.__name__}.{name} disappeared upstream"
             assert _parameters(member) == _parameters(getattr(parent, name)), f"{name} changed signature"
+
+
+def test_phase_profiler_mixin_overrides_keep_trainer_signatures():
+    """The profiler wraps Trainer.training_step, evaluate and log with *args/**kwargs: they forward every call, and
+    the methods it times (and the callback events it listens to) must still exist upstream."""
+    from transformers import Trainer, TrainerCallback
+
+    from trlx_scale.profiling.trainer_profiling import PhaseProfilerMixin
+
+    for name in ("training_step", "evaluate", "log"):
+        assert hasattr(Trainer, name) and hasattr(PhaseProfilerMixin, name)
+    for event in ("on_train_begin", "on_optimizer_step", "on_step_end"):
+        assert hasattr(TrainerCallback, event)
+    for name in (
+        "_prepare_inputs",
+        "_calculate_rewards",
+        "_generate_single_turn",
+        "_get_per_token_logps_and_entropies",
+    ):
+        assert hasattr(trl.GRPOTrainer, name), name
+    for name in ("_precompute_ref_logps", "_compute_loss"):
+        assert hasattr(trl.DPOTrainer, name), name
 
 
 def test_planned_memory_mixin_overrides_keep_trainer_signatures():

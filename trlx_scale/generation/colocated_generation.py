@@ -37,6 +37,7 @@ from ..compat.vllm_weight_reload import (
     tied_weight_aliases,
     with_tied_aliases,
 )
+from ..profiling.phase_timer import PhaseTimer
 from .cpu_environment import running_on_cpu_only
 from .engine_options import check_positive, check_sleep_level, check_sync_mode, check_vllm_dtype, resolve_sleep_level
 from .grouped_llm import GroupedLLM
@@ -76,6 +77,8 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         self.sync_bucket_bytes = int(check_positive("vllm_sync_bucket_mb", sync_bucket_mb) * 2**20)
         self._tied_aliases: dict[str, str] | None = None
         self._metrics: dict[str, float] = {}
+        # The trainer's step profiler (trlx_scale.profiling); a weight sync is its own phase inside generation.
+        self.phase_timer = PhaseTimer(enabled=False)
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ construction
@@ -207,6 +210,10 @@ class ColocatedVLLMGeneration(VLLMGeneration):
 
     def sync_weights(self) -> None:
         """Wake the weights and bring them up to date with the trainer's policy."""
+        with self.phase_timer.phase("weight_sync"):
+            self._sync_weights()
+
+    def _sync_weights(self) -> None:
         start = time.perf_counter()
         base_discarded = self.lifecycle.weights_discarded
         self.lifecycle.wake_weights()

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 from trl import DPOConfig as TRLDPOConfig
 
-from .shared_fields import ColocatedEngineFields, OptimizerPresetFields
+from .shared_fields import ColocatedEngineFields, OptimizerPresetFields, ProfilingFields
 
 
 @dataclass
-class DPOConfig(ColocatedEngineFields, OptimizerPresetFields, TRLDPOConfig):
+class DPOConfig(ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, TRLDPOConfig):
     r"""
     Configuration for [`trlx_scale.DPOTrainer`]: every field of [`trl.DPOConfig`], same names, same defaults, same
     meaning, plus the fields below. While they keep their defaults the trainer behaves exactly like TRL's.
@@ -83,6 +83,7 @@ class DPOConfig(ColocatedEngineFields, OptimizerPresetFields, TRLDPOConfig):
             self.precompute_ref_log_probs = True  # TRL then reads the reference log-probs from the batches
         super().__post_init__()
         self.validate_engine_fields()
+        self.validate_profiling_fields()
         if self.online and self.online_num_generations < 2:
             raise ValueError(
                 f"online_num_generations must be at least 2 to form a (chosen, rejected) pair, got "

@@ -33,6 +33,7 @@ from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.weight_sync import is_peft_model
 from ..planning.trainer_memory import PlannedMemoryMixin
+from ..profiling.trainer_profiling import PhaseProfilerMixin
 from .dpo_config import DPOConfig
 from .master_weights_setup import MasterWeightsMixin
 from .preference_pairs import best_worst_pairs, completion_logprob_sums
@@ -56,7 +57,7 @@ logger = logging.get_logger(__name__)
 REF_SCORING_CHUNK = 512
 
 
-class DPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
+class DPOTrainer(PhaseProfilerMixin, PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
     """Direct Preference Optimization, as [`trl.DPOTrainer`], with trlx_scale's options.
 
     The constructor takes TRL's arguments in TRL's order (a contract test compares the signatures) and one more,
@@ -164,6 +165,7 @@ class DPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
                 # (compat/vllm_cpu_lora_scoring.py); online rounds sample, and keep LoRA-only sync.
                 sync_mode=args.vllm_sync_mode if self._online else scoring_sync_mode(args.vllm_sync_mode),
             )
+            self._engine.phase_timer = self.phase_timer  # its weight syncs are their own phase
         return self._engine
 
     # ------------------------------------------------------------------ reference log-probs from vLLM
@@ -182,6 +184,11 @@ class DPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
         return {"reference": self.ref_model is not None}
 
     def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
+        # Once, before training: logged as time/ref_scoring with the first step's metrics.
+        with self.phase_timer.phase("ref_scoring", absorb=True):
+            return self._reference_scoring(dataset, name, batch_size)
+
+    def _reference_scoring(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
         if not self._vllm_ref:
             return super()._precompute_ref_logps(dataset, name, batch_size)
         if isinstance(dataset, IterableDataset):
@@ -261,6 +268,13 @@ class DPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
         arguments["inputs"] = self._pair_collator(pairs)
         return super().training_step(**arguments)
 
+    def _compute_loss(self, model, inputs, return_outputs):
+        if torch.is_grad_enabled():  # a training pass: the policy's forward+backward, the reference's forward
+            self._count_logprob_pass(inputs["attention_mask"], training=True)
+            if not self.precompute_ref_logps:
+                self._count_logprob_pass(inputs["attention_mask"], training=False)
+        return super()._compute_loss(model, inputs, return_outputs)
+
     def _online_round(self, examples: list[dict[str, Any]]) -> list[dict[str, list[int]]]:
         """Sample, score and pair one batch of prompts with the current policy."""
         args = self.args
@@ -271,7 +285,9 @@ class DPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
         group = args.online_num_generations
         prompt_ids = [example["prompt_ids"] for example in examples]
         repeated = [ids for ids in prompt_ids for _ in range(group)]
-        _, completion_ids, _, _ = engine.generate(prompts=repeated, images=None, num_generations=group)
+        with self.phase_timer.phase("generation"):
+            _, completion_ids, _, _ = engine.generate(prompts=repeated, images=None, num_generations=group)
+        self._count_generation(repeated, completion_ids)
         texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         conversational = is_conversational(examples[0])
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
@@ -282,9 +298,10 @@ class DPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
             if key not in ("prompt", "prompt_ids")
         }
         rewards = torch.zeros(len(repeated))
-        for func in self.reward_funcs:
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-            rewards += torch.tensor([float("nan") if v is None else v for v in values])
+        with self.phase_timer.phase("reward"):
+            for func in self.reward_funcs:
+                values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+                rewards += torch.tensor([float("nan") if v is None else v for v in values])
         pairs, stats = best_worst_pairs(prompt_ids, completion_ids, rewards.view(len(examples), group))
         mode = "train"
         for key, value in {**stats, **engine.pop_metrics()}.items():

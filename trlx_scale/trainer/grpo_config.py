@@ -8,11 +8,11 @@ from trl import GRPOConfig as TRLGRPOConfig
 
 from ..losses.policy_losses import LEVELS
 from ..losses.recipes import LENGTH_WEIGHTED_LOSSES, RECIPES, apply_recipe
-from .shared_fields import ColocatedEngineFields, OptimizerPresetFields
+from .shared_fields import ColocatedEngineFields, OptimizerPresetFields, ProfilingFields
 
 
 @dataclass
-class GRPOConfig(ColocatedEngineFields, OptimizerPresetFields, TRLGRPOConfig):
+class GRPOConfig(ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, TRLGRPOConfig):
     r"""
     Configuration for [`trlx_scale.GRPOTrainer`]: every field of [`trl.GRPOConfig`], same names, same defaults, same
     meaning, plus the fields below. While they keep their defaults the trainer behaves exactly like TRL's.
@@ -64,6 +64,7 @@ class GRPOConfig(ColocatedEngineFields, OptimizerPresetFields, TRLGRPOConfig):
         self.apply_optim_preset()
         super().__post_init__()
         self.validate_engine_fields()
+        self.validate_profiling_fields()
         if self.importance_sampling_level not in LEVELS:
             raise ValueError(
                 f"importance_sampling_level must be one of {LEVELS}, got {self.importance_sampling_level!r}."

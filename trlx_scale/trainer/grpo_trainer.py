@@ -8,6 +8,7 @@ ratios (``trlx_scale.losses``) and the shared-prefix log-prob pass (``trlx_scale
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -18,10 +19,12 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 
 from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
+from ..generation.weight_sync import is_peft_model
 from ..losses.policy_losses import log_importance_weights
 from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..planning.trainer_memory import PlannedMemoryMixin
 from ..prefix.shared_prefix import shared_prefix_logps, shared_token_ratio, unsupported_reason
+from ..profiling.trainer_profiling import PhaseProfilerMixin
 from .grpo_config import GRPOConfig
 from .master_weights_setup import MasterWeightsMixin
 from .shared_fields import option
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 
-class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
+class GRPOTrainer(PhaseProfilerMixin, PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
     """Group Relative Policy Optimization, as [`trl.GRPOTrainer`], with trlx_scale's scaling features.
 
     The constructor mirrors TRL's argument for argument (a contract test compares the signatures), so a script
@@ -108,6 +111,7 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
             self.use_vllm = True
             self._check_vllm_only_options()
             self.vllm_generation = self._build_colocated_engine()
+            self.vllm_generation.phase_timer = self.phase_timer  # its weight syncs are their own phase
             self._last_loaded_step = -1  # TRL's tag: sync once per optimizer step, not per micro-batch
 
     def _compute_loss(self, model, inputs):
@@ -134,8 +138,15 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
         mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
         return old + log_importance_weights(logps, old, mask, "sequence_token")
 
+    def _prepare_inputs(self, generation_batch):
+        # TRL's rollout (generation, rewards, log-prob passes, advantages) runs here on generation steps; the parts
+        # with a phase of their own are timed inside, the rest (decoding, gathers, advantages) is "rollout".
+        with self.phase_timer.phase("rollout"):
+            return super()._prepare_inputs(generation_batch)
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        with self.phase_timer.phase("reward"):
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         # TRL turns these into advantages inside _generate_and_score_completions and returns only those; kept for
         # _score_rollout, which runs as soon as that call returns.
         self._rollout_rewards_per_func = rewards_per_func
@@ -173,6 +184,49 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
     ):
         mm_inputs = (pixel_values, image_grid_thw, num_images, pixel_attention_mask, spatial_shapes, num_tiles)
         mm_inputs += (image_sizes, token_type_ids, mm_token_type_ids, image_position_ids)
+        training = torch.is_grad_enabled()
+        # A no-grad pass is a rollout's old-policy or reference pass (the loss pass's time is its own phase).
+        name = "ref_logprobs" if not training and self._is_reference_pass(model) else "old_logprobs"
+        self._pass_token_ratio = 1.0
+        with self.phase_timer.phase(name) if not training else contextlib.nullcontext():
+            result = self._logps_and_entropies_pass(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                mm_inputs,
+            )
+        self._count_logprob_pass(attention_mask, training=training, token_ratio=self._pass_token_ratio)
+        return result
+
+    def _is_reference_pass(self, model) -> bool:
+        """The reference model, or a LoRA policy with its adapters off / its 'ref' adapter on (TRL's reference)."""
+        if model is getattr(self, "ref_model", None):
+            return True
+        unwrapped = self.accelerator.unwrap_model(model)
+        if not is_peft_model(unwrapped):
+            return False
+        if unwrapped.active_adapter == "ref":
+            return True
+        lora_layer = next((m for m in unwrapped.modules() if hasattr(m, "lora_A")), None)
+        return bool(getattr(lora_layer, "disable_adapters", False))
+
+    def _logps_and_entropies_pass(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size,
+        compute_entropy,
+        compute_aux_loss,
+        mm_inputs,
+    ):
+        (pixel_values, image_grid_thw, num_images, pixel_attention_mask, spatial_shapes, num_tiles) = mm_inputs[:6]
+        (image_sizes, token_type_ids, mm_token_type_ids, image_position_ids) = mm_inputs[6:]
         # The router load-balancing loss and image inputs cover the prompt tokens: those batches take TRL's pass.
         if not compute_aux_loss and all(x is None for x in mm_inputs) and self._shared_prefix_enabled(model):
             logps, entropies = self._shared_prefix_logps(
@@ -234,6 +288,7 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
         batch_size = batch_size or input_ids.size(0)
         inner = self.accelerator.unwrap_model(model)
         all_logps, all_entropies = [], []
+        rows_tokens = processed_tokens = 0.0
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             with self.accelerator.autocast():
@@ -246,11 +301,13 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
                 shared = (logps, entropies)
             mode = "train" if self.model.training else "eval"
             # Tokens TRL's pass would process over tokens this one did: how much the sharing pays.
-            self._metrics[mode]["shared_prefix/token_ratio"].append(
-                shared_token_ratio(ids, mask, logits_to_keep) if used else 1.0
-            )
+            ratio = shared_token_ratio(ids, mask, logits_to_keep) if used else 1.0
+            self._metrics[mode]["shared_prefix/token_ratio"].append(ratio)
+            rows_tokens += float(mask.sum())
+            processed_tokens += float(mask.sum()) / ratio
             all_logps.append(shared[0])
             all_entropies.append(shared[1])
+        self._pass_token_ratio = rows_tokens / max(processed_tokens, 1.0)  # for the FLOPs count (profiling)
         return torch.cat(all_logps), torch.cat(all_entropies) if compute_entropy else None
 
     def _check_vllm_only_options(self) -> None:
@@ -292,17 +349,19 @@ class GRPOTrainer(PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
         return {"reference": self.beta != 0.0}  # TRL builds a reference model only for a KL term
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        offloader = None
-        if option(self.args, GRPOConfig, "offload_optimizer_during_generation") and self.optimizer is not None:
-            offloader = OptimizerStateOffloader(self.optimizer)
-            offloaded = offloader.offload()
-        try:
-            result = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
-            )
-        finally:
-            if offloader is not None:
-                offloader.reload()  # before the loss and the optimizer step
+        with self.phase_timer.phase("generation"):  # optimizer offload, wake, (sync), generate, sleep, reload
+            offloader = None
+            if option(self.args, GRPOConfig, "offload_optimizer_during_generation") and self.optimizer is not None:
+                offloader = OptimizerStateOffloader(self.optimizer)
+                offloaded = offloader.offload()
+            try:
+                result = super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
+                )
+            finally:
+                if offloader is not None:
+                    offloader.reload()  # before the loss and the optimizer step
+        self._count_generation(prompt_ids, result[0])  # TRL returns (completion_ids, logprobs)
         mode = "train" if self.model.training else "eval"
         if offloader is not None:
             self._metrics[mode]["memory/optimizer_offloaded_gib"].append(offloaded / 2**30)

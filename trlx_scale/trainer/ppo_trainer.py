@@ -181,8 +181,10 @@ class PPOTrainer(GRPOTrainer):
                 output["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
                     self.model, input_ids, attention_mask, length, args.per_device_train_batch_size
                 )[0]
-            ref_logps = self._reference_logps(input_ids, attention_mask, length)
-            values = self._values(input_ids, attention_mask, length)
+            with self.phase_timer.phase("ref_logprobs", absorb=True):  # a LoRA policy's base: the same model
+                ref_logps = self._reference_logps(input_ids, attention_mask, length)
+            with self.phase_timer.phase("critic"):
+                values = self._values(input_ids, attention_mask, length)
         kl = per_token_kl(output["old_per_token_logps"], ref_logps, args.kl_estimator) * mask
         rewards = kl_penalty_rewards(scores.to(kl.dtype), kl, self.kl_controller.value, mask)
         advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
@@ -260,6 +262,10 @@ class PPOTrainer(GRPOTrainer):
         return policy_loss + self.args.vf_coef * value_loss / scale
 
     def _step_critic(self) -> None:
+        with self.phase_timer.phase("critic"):
+            self._critic_optimizer_step()
+
+    def _critic_optimizer_step(self) -> None:
         params = self.critic.trainable_parameters()
         if self.accelerator.num_processes > 1:
             for param in params:  # the critic is outside DDP: average its gradients by hand

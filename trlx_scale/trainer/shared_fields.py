@@ -142,3 +142,28 @@ class ColocatedEngineFields:
             sleep_level=self.vllm_sleep_level,
             sync_bucket_mb=self.vllm_sync_bucket_mb,
         )
+
+
+@dataclass
+class ProfilingFields:
+    """Per-phase step profiling (trlx_scale.profiling): ``time/*``, ``throughput/*``, ``perf/mfu`` in the logs."""
+
+    profile_phases: bool = field(
+        default=True,
+        metadata={
+            "help": "Time every phase of each step (generation, weight sync, reward, log-prob passes, loss, "
+            "optimizer, ...) on every rank and log the slowest rank's times as time/<phase>, with token throughput "
+            "and MFU (docs/profiling.md). Costs well under 1% of a step (logged as time/profiler_fraction)."
+        },
+    )
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={
+            "help": "Peak TFLOP/s of one device, the denominator of perf/mfu. Unset: the bf16 dense peak of known "
+            "GPUs (A100, H100, H200, L40S, A10G), a short measured matmul on CPU; MFU is not logged on other GPUs."
+        },
+    )
+
+    def validate_profiling_fields(self) -> None:
+        if self.peak_tflops is not None:
+            check_positive("peak_tflops", self.peak_tflops, "It is the TFLOP/s of one device, e.g. 989 for an H100.")

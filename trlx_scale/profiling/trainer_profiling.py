@@ -1,0 +1,197 @@
+"""``PhaseProfilerMixin``: per-phase step times, token throughput and MFU in every trlx_scale trainer's logs.
+
+Each process times its own phases (``PhaseTimer``; the trainers open the phases where the work happens) and counts
+its tokens and model FLOPs (``flops``). At each logging step the records of the steps since the last log are reduced
+across ranks in one pair of collectives: times by MAX (a data-parallel step lasts as long as its slowest rank),
+tokens and FLOPs by SUM (the job's work). Logged, as means over those steps:
+
+- ``time/step`` and ``time/<phase>`` for every phase that took time (``PHASES``); ``time/other`` is the step's rest
+  (data loading, logging, checkpoints, the scheduler; an evaluation run between steps counts there too);
+- ``throughput/generated_tokens_per_s`` and ``throughput/trained_tokens_per_s``: the job's tokens per second of
+  step wall time (all ranks' tokens over the slowest rank's time);
+- ``perf/mfu``: the job's model FLOPs / (step time x processes x the device's peak) (``device_peak``), and
+  ``perf/tflops_per_device``;
+- ``time/profiler_fraction``: the profiler's own bookkeeping (FLOPs counting, step records, the reduction) over the
+  step time, measured on each rank (max).
+
+Phases are "exclusive": a phase opened inside another pauses it, so their sum is the step. Under DeepSpeed the
+optimizer step runs inside ``accelerator.backward`` and counts as ``loss_forward_backward``.
+``profile_phases=False`` turns everything off (no timers, no collective).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainerCallback
+
+from .device_peak import device_peak_tflops
+from .flops import ModelFlops, generation_flops
+from .phase_timer import PHASES, PhaseTimer
+
+COUNTERS: tuple[str, ...] = ("generated_tokens", "trained_tokens", "flops")
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step as this process saw it."""
+
+    seconds: float
+    phases: dict[str, float]
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+class PhaseProfilerMixin:
+    """Times the phases of every step; mixed into each trlx_scale trainer ahead of TRL's class."""
+
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("args")
+        # Before TRL's __init__: DPO scores its reference log-probs there.
+        self.phase_timer = PhaseTimer(enabled=bool(getattr(config, "profile_phases", True)))
+        self._step_records: list[StepRecord] = []
+        self._setup_phases: dict[str, float] = {}
+        self._profiler_seconds = 0.0
+        self._flops_shape: ModelFlops | None = None
+        self._peak_tflops: float | None = None
+        super().__init__(*args, **kwargs)
+        if self.phase_timer.enabled:
+            self.add_callback(_StepClock(self))
+
+    # ---------------------------------------------------------------- what the trainers call
+    @contextmanager
+    def _bookkeeping(self):
+        """Time spent on profiling itself (reported as time/profiler_fraction)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._profiler_seconds += time.perf_counter() - start
+
+    def _model_flops(self) -> ModelFlops:
+        if self._flops_shape is None:
+            self._flops_shape = ModelFlops.of(self.accelerator.unwrap_model(self.model))
+        return self._flops_shape
+
+    def _count_logprob_pass(self, attention_mask: torch.Tensor, training: bool, token_ratio: float = 1.0) -> None:
+        """FLOPs (and trained tokens) of a log-prob pass over these rows. ``token_ratio`` > 1: the shared-prefix pass
+        processed that many times fewer tokens than the rows hold."""
+        if not self.phase_timer.enabled:
+            return
+        with self._bookkeeping():
+            lengths = attention_mask.sum(dim=-1).tolist()
+            shape = self._model_flops()
+            flops = shape.training_flops(lengths) if training else shape.forward_flops(lengths)
+            self.phase_timer.count("flops", flops / token_ratio)
+            if training:
+                self.phase_timer.count("trained_tokens", sum(lengths) / token_ratio)
+
+    def _count_generation(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:
+        """Tokens and FLOPs of one generation call (each distinct prompt prefilled once: prefix cache, n=G)."""
+        if not self.phase_timer.enabled:
+            return
+        with self._bookkeeping():
+            unique = {tuple(p) for p in prompt_ids}
+            rows = [(len(p), len(c)) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+            flops = generation_flops(self._model_flops(), [len(p) for p in unique], rows)
+            self.phase_timer.count("flops", flops)
+            self.phase_timer.count("generated_tokens", sum(len(c) for c in completion_ids))
+
+    # ---------------------------------------------------------------- the Trainer's loop
+    def training_step(self, *args, **kwargs):
+        with self.phase_timer.phase("loss_forward_backward"):
+            loss = super().training_step(*args, **kwargs)
+        if self.accelerator.sync_gradients:
+            self.phase_timer.begin("optimizer")  # clipping and the step; closed by _StepClock.on_optimizer_step
+        return loss
+
+    def evaluate(self, *args, **kwargs):
+        # An evaluation between steps is part of no phase: everything it runs counts as "other".
+        with self.phase_timer.phase("other", absorb=True):
+            return super().evaluate(*args, **kwargs)
+
+    def _close_step(self, seconds: float) -> None:
+        with self._bookkeeping():
+            phases, counters = self.phase_timer.take()
+            phases["other"] = phases.get("other", 0.0) + max(seconds - sum(phases.values()), 0.0)
+            self._step_records.append(StepRecord(seconds, phases, counters))
+
+    def _profile_metrics(self) -> dict[str, float]:
+        """Reduce the records since the last log across ranks (collective: every rank calls it at the same log)."""
+        records, self._step_records = self._step_records, []
+        if not records:
+            return {}
+        start = time.perf_counter()
+        device = self.accelerator.device
+        times = torch.tensor(
+            [[r.phases.get(p, 0.0) for p in PHASES] + [r.seconds] for r in records], dtype=torch.float64, device=device
+        )
+        counters = torch.tensor(
+            [[r.counters.get(c, 0.0) for c in COUNTERS] for r in records], dtype=torch.float64, device=device
+        )
+        world = self.accelerator.num_processes
+        overhead = torch.tensor([self._profiler_seconds], dtype=torch.float64, device=device)
+        if world > 1:
+            torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(counters, op=torch.distributed.ReduceOp.SUM)
+            torch.distributed.all_reduce(overhead, op=torch.distributed.ReduceOp.MAX)
+        times, counters = times.cpu(), counters.cpu()
+        step_total = float(times[:, -1].sum())
+        metrics = {"time/step": step_total / len(records)}
+        for column, name in enumerate(PHASES):
+            total = float(times[:, column].sum())
+            if total > 0 or name == "other":
+                metrics[f"time/{name}"] = total / len(records)
+        totals = dict(zip(COUNTERS, counters.sum(dim=0).tolist(), strict=True))
+        if step_total > 0:
+            metrics["throughput/generated_tokens_per_s"] = totals["generated_tokens"] / step_total
+            metrics["throughput/trained_tokens_per_s"] = totals["trained_tokens"] / step_total
+            per_device = totals["flops"] / step_total / world / 1e12
+            metrics["perf/tflops_per_device"] = per_device
+            if self._peak_tflops:
+                metrics["perf/mfu"] = per_device / self._peak_tflops
+            self._profiler_seconds = 0.0
+            overhead_seconds = float(overhead[0]) + time.perf_counter() - start
+            metrics["time/profiler_fraction"] = overhead_seconds / step_total
+        return metrics
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.phase_timer.enabled and not any(key.startswith("eval_") for key in logs):
+            extra = self._profile_metrics()
+            if self._setup_phases:
+                extra.update({f"time/{name}": seconds for name, seconds in self._setup_phases.items()})
+                self._setup_phases = {}
+            logs = {**logs, **extra}
+        super().log(logs, start_time)
+
+
+class _StepClock(TrainerCallback):
+    """Marks the step boundaries: train begin, the optimizer step, each step's end."""
+
+    def __init__(self, trainer: PhaseProfilerMixin):
+        self.trainer = trainer
+        self.step_started: float | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        # What ran before training (DPO's reference scoring) is logged once, with the first step's metrics.
+        phases, _ = trainer.phase_timer.take()
+        trainer._setup_phases = {name: seconds for name, seconds in phases.items() if seconds > 0}
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        dtype = next((p.dtype for p in unwrapped.parameters() if p.requires_grad), torch.float32)
+        trainer._flops_shape = ModelFlops.of(unwrapped)
+        trainer._peak_tflops = device_peak_tflops(
+            trainer.accelerator.device, dtype, getattr(trainer.args, "peak_tflops", None)
+        )
+        self.step_started = trainer.phase_timer.clock()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.phase_timer.end("optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = self.trainer.phase_timer.clock()
+        if self.step_started is not None:
+            self.trainer._close_step(now - self.step_started)
+        self.step_started = now
