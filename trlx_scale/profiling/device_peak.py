@@ -36,8 +36,10 @@ def gpu_peak_tflops(device_name: str) -> float | None:
 @functools.lru_cache(maxsize=4)
 def measured_cpu_peak_tflops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 3) -> float:
     """Best TFLOP/s of a ``size``-square matmul in ``dtype`` on this process's threads (~0.1 s, once per process)."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    # A private generator: drawing from the global one would change the run's sampling (and its reproducibility).
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(dtype)
+    b = torch.randn(size, size, generator=generator).to(dtype)
     torch.mm(a, b)  # warm-up: thread pool, kernels
     best = float("inf")
     for _ in range(repeats):

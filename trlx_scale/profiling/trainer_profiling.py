@@ -22,6 +22,7 @@ optimizer step runs inside ``accelerator.backward`` and counts as ``loss_forward
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -123,39 +124,10 @@ class PhaseProfilerMixin:
         records, self._step_records = self._step_records, []
         if not records:
             return {}
-        start = time.perf_counter()
-        device = self.accelerator.device
-        times = torch.tensor(
-            [[r.phases.get(p, 0.0) for p in PHASES] + [r.seconds] for r in records], dtype=torch.float64, device=device
+        overhead, self._profiler_seconds = self._profiler_seconds, 0.0
+        return summarize_steps(
+            records, self.accelerator.num_processes, self._peak_tflops, overhead, self.accelerator.device
         )
-        counters = torch.tensor(
-            [[r.counters.get(c, 0.0) for c in COUNTERS] for r in records], dtype=torch.float64, device=device
-        )
-        world = self.accelerator.num_processes
-        overhead = torch.tensor([self._profiler_seconds], dtype=torch.float64, device=device)
-        if world > 1:
-            torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
-            torch.distributed.all_reduce(counters, op=torch.distributed.ReduceOp.SUM)
-            torch.distributed.all_reduce(overhead, op=torch.distributed.ReduceOp.MAX)
-        times, counters = times.cpu(), counters.cpu()
-        step_total = float(times[:, -1].sum())
-        metrics = {"time/step": step_total / len(records)}
-        for column, name in enumerate(PHASES):
-            total = float(times[:, column].sum())
-            if total > 0 or name == "other":
-                metrics[f"time/{name}"] = total / len(records)
-        totals = dict(zip(COUNTERS, counters.sum(dim=0).tolist(), strict=True))
-        if step_total > 0:
-            metrics["throughput/generated_tokens_per_s"] = totals["generated_tokens"] / step_total
-            metrics["throughput/trained_tokens_per_s"] = totals["trained_tokens"] / step_total
-            per_device = totals["flops"] / step_total / world / 1e12
-            metrics["perf/tflops_per_device"] = per_device
-            if self._peak_tflops:
-                metrics["perf/mfu"] = per_device / self._peak_tflops
-            self._profiler_seconds = 0.0
-            overhead_seconds = float(overhead[0]) + time.perf_counter() - start
-            metrics["time/profiler_fraction"] = overhead_seconds / step_total
-        return metrics
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.phase_timer.enabled and not any(key.startswith("eval_") for key in logs):
@@ -168,11 +140,20 @@ class PhaseProfilerMixin:
 
 
 class _StepClock(TrainerCallback):
-    """Marks the step boundaries: train begin, the optimizer step, each step's end."""
+    """Marks the step boundaries: train begin, the optimizer step, each step's end.
+
+    It holds the trainer weakly: a trainer -> callback -> trainer cycle would leave a finished trainer (and its vLLM
+    engine) to the cyclic garbage collector, which may then tear the engine's process groups down in the middle of
+    the next engine's start-up.
+    """
 
     def __init__(self, trainer: PhaseProfilerMixin):
-        self.trainer = trainer
+        self._trainer = weakref.ref(trainer)
         self.step_started: float | None = None
+
+    @property
+    def trainer(self) -> PhaseProfilerMixin:
+        return self._trainer()
 
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self.trainer
@@ -195,3 +176,43 @@ class _StepClock(TrainerCallback):
         if self.step_started is not None:
             self.trainer._close_step(now - self.step_started)
         self.step_started = now
+
+
+def summarize_steps(
+    records: list[StepRecord],
+    world: int,
+    peak_tflops: float | None,
+    profiler_seconds: float,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """The logged metrics of these steps. With ``world > 1`` this is a collective (every rank passes its own
+    records for the same steps): times are MAX-reduced, tokens and FLOPs SUM-reduced."""
+    start = time.perf_counter()
+    times = torch.tensor(
+        [[r.phases.get(p, 0.0) for p in PHASES] + [r.seconds] for r in records], dtype=torch.float64, device=device
+    )
+    counters = torch.tensor(
+        [[r.counters.get(c, 0.0) for c in COUNTERS] for r in records], dtype=torch.float64, device=device
+    )
+    overhead = torch.tensor([profiler_seconds], dtype=torch.float64, device=device)
+    if world > 1:
+        torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(counters, op=torch.distributed.ReduceOp.SUM)
+        torch.distributed.all_reduce(overhead, op=torch.distributed.ReduceOp.MAX)
+    times, counters = times.cpu(), counters.cpu()
+    step_total = float(times[:, -1].sum())
+    metrics = {"time/step": step_total / len(records)}
+    for column, name in enumerate(PHASES):
+        total = float(times[:, column].sum())
+        if total > 0 or name == "other":
+            metrics[f"time/{name}"] = total / len(records)
+    totals = dict(zip(COUNTERS, counters.sum(dim=0).tolist(), strict=True))
+    if step_total > 0:
+        metrics["throughput/generated_tokens_per_s"] = totals["generated_tokens"] / step_total
+        metrics["throughput/trained_tokens_per_s"] = totals["trained_tokens"] / step_total
+        per_device = totals["flops"] / step_total / world / 1e12
+        metrics["perf/tflops_per_device"] = per_device
+        if peak_tflops:
+            metrics["perf/mfu"] = per_device / peak_tflops
+        metrics["time/profiler_fraction"] = (float(overhead[0]) + time.perf_counter() - start) / step_total
+    return metrics

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .addition import AdditionProblem, completion_text
@@ -30,8 +31,9 @@ def greedy_completions(
     prompts: Sequence[Prompt],
     max_new_tokens: int,
     batch_size: int = 256,
+    progress: bool = False,
 ) -> list[str]:
-    """Greedy completions (special tokens removed) for each prompt, in order."""
+    """Greedy completions (special tokens removed) for each prompt, in order; ``progress`` shows a bar per batch."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -39,7 +41,8 @@ def greedy_completions(
     tokenizer.padding_side = "left"  # decoder-only generation continues from the right end of every row
     texts: list[str] = []
     try:
-        for start in range(0, len(prompts), batch_size):
+        starts = range(0, len(prompts), batch_size)
+        for start in tqdm(starts, desc="held-out evaluation", unit="batch", disable=not progress, leave=False):
             rendered = [render_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
             encoded = tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             output = model.generate(
@@ -63,13 +66,16 @@ def exact_match_accuracy(
     answers: Sequence[str],
     max_new_tokens: int = 8,
     batch_size: int = 256,
+    progress: bool = False,
 ) -> float:
     """Fraction of prompts whose greedy completion, stripped, equals the answer."""
     if len(prompts) == 0:
         raise ValueError("prompts is empty: pass at least one prompt to evaluate.")
     if len(prompts) != len(answers):
         raise ValueError(f"prompts ({len(prompts)}) and answers ({len(answers)}) must have the same length.")
-    texts = greedy_completions(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    texts = greedy_completions(
+        model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress
+    )
     correct = sum(completion_text(t).strip() == str(a).strip() for t, a in zip(texts, answers, strict=True))
     return correct / len(prompts)
 

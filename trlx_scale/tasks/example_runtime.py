@@ -108,21 +108,39 @@ def held_out_accuracy(trainer, held_out, answer_column: str, max_new_tokens: int
     # Under ZeRO-3 the weights are partitioned: every process gathers them for generation (a collective).
     with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
         return exact_match_accuracy(
-            model, trainer.processing_class, held_out["prompt"], held_out[answer_column], max_new_tokens=max_new_tokens
+            model,
+            trainer.processing_class,
+            held_out["prompt"],
+            held_out[answer_column],
+            max_new_tokens=max_new_tokens,
+            progress=trainer.accelerator.is_main_process and not trainer.args.disable_tqdm,
         )
 
 
 def finish_run(trainer, summary: RunSummary, output_dir: str, dataset_label: str, push_to_hub: bool) -> dict:
-    """Save the model with its card, push it when asked, write ``run_summary.json`` atomically and print it."""
+    """Save the model with its card, the logs (``trainer_state.json``), ``run_summary.json`` and the report, print the
+    summary and where the report is, then push when asked (a failed upload leaves everything local in place)."""
     trainer.save_model(output_dir)
+    trainer.save_state()  # trainer_state.json: the log history that `trlx-scale report` reads
     if trainer.accelerator.is_main_process:
         trainer.create_model_card(dataset_name=dataset_label)  # README.md beside the weights, also offline
-    if push_to_hub:
-        trainer.push_to_hub(dataset_name=dataset_label)
-    if trainer.accelerator.is_main_process:
         summary.write_json(os.path.join(output_dir, "run_summary.json"))
         print(summary.render(), flush=True)
+        print(report_line(output_dir), flush=True)
+    if push_to_hub:
+        trainer.push_to_hub(dataset_name=dataset_label)
     return summary.as_dict()
+
+
+def report_line(output_dir: str) -> str:
+    """Write the run's report (plots + report.md) and say where it is; without matplotlib, say how to get it."""
+    from ..report.render import write_report
+
+    try:
+        report = write_report(output_dir)
+    except ImportError as error:
+        return f"report           not drawn: {error} Then: trlx-scale report {output_dir}"
+    return f"report           {report.markdown} (plots: {', '.join(os.path.basename(p) for p in report.images)})"
 
 
 # ---------------------------------------------------------------------------------------------- run_example

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from datasets import Dataset, IterableDataset
+from tqdm.auto import tqdm
 from transformers import Trainer
 from transformers.utils import logging
 from trl import DPOTrainer as TRLDPOTrainer
@@ -211,7 +212,13 @@ class DPOTrainer(PhaseProfilerMixin, PlannedMemoryMixin, MasterWeightsMixin, TRL
         mine = list(range(rank, len(dataset), world))
         chosen, rejected = [], []
         start = time.perf_counter()
-        for offset in range(0, len(mine), REF_SCORING_CHUNK):
+        offsets = tqdm(
+            range(0, len(mine), REF_SCORING_CHUNK),
+            desc=f"vLLM reference log-probs ({name})",
+            unit="chunk",
+            disable=not self.accelerator.is_main_process or bool(self.args.disable_tqdm),
+        )
+        for offset in offsets:
             rows = [dataset[i] for i in mine[offset : offset + REF_SCORING_CHUNK]]
             batch = self.data_collator(rows)  # TRL's collator: its truncation, its completion mask
             sums = completion_logprob_sums(

@@ -1,0 +1,90 @@
+"""`trlx-scale report`: plots and a markdown summary drawn from a real short run's logs."""
+
+import json
+
+import pytest
+
+from trlx_scale.cli import main as cli_main
+from trlx_scale.report.run_history import RunHistory
+
+from .helpers.trainers import small_grpo_config
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, default_model_dir):
+    """A 3-step GRPO run with the colocated engine, saved as the examples save it (trainer_state.json and
+    run_summary.json), plus a checkpoint."""
+    from peft import LoraConfig
+
+    from trlx_scale import GRPOTrainer
+    from trlx_scale.tasks import addition_dataset, exact_match_reward
+    from trlx_scale.tasks.run_summary import RunSummary
+
+    out = tmp_path_factory.mktemp("report_run")
+    args = small_grpo_config(out, use_vllm=True, vllm_dtype="trainer", max_steps=3, beta=0.05)
+    trainer = GRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=exact_match_reward,
+        args=args,
+        train_dataset=addition_dataset("train", size=64),
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+    )
+    trainer.train()
+    trainer.save_state()
+    summary = RunSummary(model=default_model_dir, accuracy_before=0.30, accuracy_after=0.45)
+    summary.read_log_history(trainer.state.log_history, trainer.state.global_step)
+    summary.write_json(str(out / "run_summary.json"))
+    return out
+
+
+def _png_pixels(path):
+    import matplotlib.image
+
+    with open(path, "rb") as handle:
+        assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+    return matplotlib.image.imread(str(path))
+
+
+def test_report_writes_plots_and_summary(finished_run, tmp_path, capsys):
+    target = tmp_path / "report"
+    assert cli_main(["report", str(finished_run), "--output", str(target)]) == 0
+    printed = capsys.readouterr().out
+    assert f"report: {target / 'report.md'}" in printed
+    for name in ("reward.png", "kl_clip.png", "phases.png", "throughput.png"):
+        pixels = _png_pixels(target / name)
+        height, width = pixels.shape[:2]
+        assert height >= 200 and width >= 400, name
+        assert pixels[..., :3].std() > 0.05, f"{name} is blank"  # something was drawn
+    markdown = (target / "report.md").read_text()
+    assert "step time (median after the first)" in markdown
+    assert "held-out accuracy | 30.0% -> 45.0% (+15.0 points)" in markdown
+    assert "![phases](phases.png)" in markdown
+    assert "generation" in markdown and "loss_forward_backward" in markdown  # the phase shares
+    assert not list(target.glob("*.partial*")), "no half-written file is left"
+
+
+def test_history_reads_the_logged_steps(finished_run):
+    history = RunHistory.load(str(finished_run))
+    steps, rewards = history.series("reward")
+    assert steps == [1, 2, 3] and len(rewards) == 3
+    assert history.first_present(("kl", "ppo/kl")) == "kl"  # beta > 0: TRL logs the KL
+    assert len(history.series("time/generation")[0]) == 3
+
+
+def test_report_of_a_run_still_going_reads_its_newest_checkpoint(finished_run, tmp_path):
+    """No trainer_state.json at the top (the run has not finished): the newest checkpoint's is read."""
+    running = tmp_path / "running"
+    (running / "checkpoint-2").mkdir(parents=True)
+    state = json.loads((finished_run / "trainer_state.json").read_text())
+    state["log_history"] = [e for e in state["log_history"] if e.get("step", 0) <= 2]
+    (running / "checkpoint-2" / "trainer_state.json").write_text(json.dumps(state))
+    assert cli_main(["report", str(running)]) == 0
+    assert (running / "report" / "phases.png").is_file()
+    assert "(2 logged steps)" in (running / "report" / "report.md").read_text()
+
+
+def test_bad_output_dirs_get_a_clear_error(tmp_path, capsys):
+    assert cli_main(["report", str(tmp_path / "missing")]) == 2
+    assert "is not a directory: pass a run's output_dir" in capsys.readouterr().err
+    assert cli_main(["report", str(tmp_path)]) == 2
+    assert "no trainer_state.json in" in capsys.readouterr().err

@@ -1,0 +1,213 @@
+"""Draw a run's plots (PNG, matplotlib's headless Agg backend) and write its markdown summary."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+
+from ..atomic_files import write_text_atomically
+from ..profiling.phase_timer import PHASES
+from .run_history import RunHistory
+
+# The reward each trainer logs, in order of preference: GRPO/PPO, online DPO, offline DPO (reward margin).
+REWARD_KEYS = ("reward", "online/reward_mean", "rewards/margins")
+KL_KEYS = ("kl", "ppo/kl", "ppo/approx_kl")
+CLIP_KEYS = ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "ppo/value_clipfrac")
+REPORT_EXTRA_HINT = "pip install 'trlx-scale[report]' (matplotlib)"
+
+
+@dataclass
+class Report:
+    """What ``write_report`` produced."""
+
+    directory: str
+    markdown: str
+    images: list[str]
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError(f"trlx-scale report draws with matplotlib: {REPORT_EXTRA_HINT}.") from error
+    matplotlib.use("Agg")  # files only, no display (servers, CI)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _no_data(axis, what: str) -> None:
+    axis.text(0.5, 0.5, f"{what}: not logged by this run", ha="center", va="center", transform=axis.transAxes)
+    axis.set_xticks([])
+    axis.set_yticks([])
+
+
+def _plot_reward(plt, history: RunHistory, path: str) -> None:
+    figure, axis = plt.subplots(figsize=(7, 4))
+    key = history.first_present(REWARD_KEYS)
+    if key is None:
+        _no_data(axis, "reward")
+    else:
+        steps, values = history.series(key)
+        axis.plot(steps, values, color="tab:blue", label=key)
+        axis.set_xlabel("step")
+        axis.set_ylabel(key, color="tab:blue")
+    before, after = history.summary.get("accuracy_before"), history.summary.get("accuracy_after")
+    if before is not None and after is not None and history.entries:
+        last = history.entries[-1]["step"]
+        accuracy = axis.twinx()
+        accuracy.plot([0, last], [100 * before, 100 * after], "o--", color="tab:green", label="held-out accuracy")
+        for step, value in ((0, before), (last, after)):
+            accuracy.annotate(f"{100 * value:.1f}%", (step, 100 * value), textcoords="offset points", xytext=(4, 6))
+        accuracy.set_ylabel("held-out accuracy (%)", color="tab:green")
+    axis.set_title("Reward and held-out accuracy")
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def _plot_kl_clip(plt, history: RunHistory, path: str) -> None:
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    kl_keys = [k for k in KL_KEYS if history.series(k)[0]]
+    for key in kl_keys:
+        left.plot(*history.series(key), label=key)
+    if kl_keys:
+        left.set_xlabel("step")
+        left.legend(fontsize=8)
+        left.set_title("KL")
+    else:
+        _no_data(left, "KL")
+    clip_keys = [k for k in CLIP_KEYS if history.series(k)[0]]
+    for key in clip_keys:
+        right.plot(*history.series(key), label=key)
+    if clip_keys:
+        right.set_xlabel("step")
+        right.legend(fontsize=8)
+        right.set_title("clip fractions")
+    else:
+        _no_data(right, "clip fractions")
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def _phase_table(history: RunHistory) -> tuple[list[int], dict[str, list[float]]]:
+    entries = [e for e in history.entries if "time/step" in e]
+    steps = [e["step"] for e in entries]
+    phases = {p: [e.get(f"time/{p}", 0.0) for e in entries] for p in PHASES if p != "ref_scoring"}
+    return steps, {p: values for p, values in phases.items() if any(values)}
+
+
+def _plot_phases(plt, history: RunHistory, path: str) -> None:
+    figure, axis = plt.subplots(figsize=(8, 4))
+    steps, phases = _phase_table(history)
+    if not steps:
+        _no_data(axis, "time per phase (profile_phases)")
+    else:
+        bottom = [0.0] * len(steps)
+        colors = plt.get_cmap("tab20").colors
+        for index, (name, values) in enumerate(phases.items()):
+            axis.bar(steps, values, bottom=bottom, label=name, color=colors[index % len(colors)], width=0.8)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        axis.set_xlabel("step")
+        axis.set_ylabel("seconds (slowest rank)")
+        axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        axis.set_title("Time per phase per step")
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def _plot_throughput(plt, history: RunHistory, path: str) -> None:
+    figure, axis = plt.subplots(figsize=(7, 4))
+    plotted = False
+    for key, color in (
+        ("throughput/generated_tokens_per_s", "tab:orange"),
+        ("throughput/trained_tokens_per_s", "tab:purple"),
+    ):
+        steps, values = history.series(key)
+        if steps:
+            axis.plot(steps, values, color=color, label=key.split("/")[1])
+            plotted = True
+    if plotted:
+        axis.set_xlabel("step")
+        axis.set_ylabel("tokens / s (whole job)")
+        axis.legend(fontsize=8, loc="upper left")
+        steps, mfu = history.series("perf/mfu")
+        if steps:
+            right = axis.twinx()
+            right.plot(steps, [100 * v for v in mfu], color="tab:gray", linestyle=":", label="MFU")
+            right.set_ylabel("MFU (%)", color="tab:gray")
+        axis.set_title("Throughput and MFU")
+    else:
+        _no_data(axis, "throughput (profile_phases)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def _median_after_first(values: list[float]) -> float | None:
+    values = values[1:] if len(values) > 1 else values  # the first step carries warm-up (engine, kernels)
+    return statistics.median(values) if values else None
+
+
+def _markdown(history: RunHistory, images: list[str]) -> str:
+    summary = history.summary
+    lines = ["# Run report", "", f"Read from `{history.source}` ({len(history.entries)} logged steps).", ""]
+    rows: list[tuple[str, str]] = []
+    if summary.get("model"):
+        rows.append(("model", f"`{summary['model']}` on {summary.get('world_size', 1)} process(es)"))
+    step_time = _median_after_first(history.series("time/step")[1])
+    if step_time is not None:
+        rows.append(("step time (median after the first)", f"{step_time:.3f} s"))
+        _, phases = _phase_table(history)
+        total = sum(sum(v[1:] or v) for v in phases.values()) or 1.0
+        shares = sorted(((sum(v[1:] or v) / total, name) for name, v in phases.items()), reverse=True)
+        rows.append(("time per phase", ", ".join(f"{name} {100 * share:.0f}%" for share, name in shares)))
+    for key, label, scale, unit in (
+        ("throughput/generated_tokens_per_s", "generated tokens/s (median)", 1, ""),
+        ("throughput/trained_tokens_per_s", "trained tokens/s (median)", 1, ""),
+        ("perf/mfu", "MFU (median)", 100, "%"),
+    ):
+        value = _median_after_first(history.series(key)[1])
+        if value is not None:
+            rows.append((label, f"{scale * value:.3g}{unit}"))
+    reward_key = history.first_present(REWARD_KEYS)
+    if reward_key is not None:
+        values = history.series(reward_key)[1]
+        rows.append((f"{reward_key} (first -> last log)", f"{values[0]:.3f} -> {values[-1]:.3f}"))
+    if summary.get("accuracy_before") is not None and summary.get("accuracy_after") is not None:
+        before, after = 100 * summary["accuracy_before"], 100 * summary["accuracy_after"]
+        rows.append(("held-out accuracy", f"{before:.1f}% -> {after:.1f}% ({after - before:+.1f} points)"))
+    if summary.get("memory_measured_peak_gib") is not None:
+        planned = summary.get("memory_planned_peak_gib")
+        text = f"{summary['memory_measured_peak_gib']:.2f} GiB measured"
+        rows.append(("peak memory", text + (f", {planned:.2f} GiB planned" if planned is not None else "")))
+    lines += ["| | |", "|---|---|", *[f"| {name} | {value} |" for name, value in rows], ""]
+    lines += [f"![{os.path.splitext(name)[0]}]({name})" for name in images]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(output_dir: str, report_dir: str | None = None) -> Report:
+    """Read ``output_dir``'s logs and write ``report.md`` and the PNGs into ``report_dir`` (default
+    ``output_dir/report``). Files are written whole (temporary name, then rename)."""
+    history = RunHistory.load(output_dir)
+    plt = _pyplot()
+    report_dir = report_dir or os.path.join(output_dir, "report")
+    os.makedirs(report_dir, exist_ok=True)
+    images = []
+    for name, draw in (
+        ("reward.png", _plot_reward),
+        ("kl_clip.png", _plot_kl_clip),
+        ("phases.png", _plot_phases),
+        ("throughput.png", _plot_throughput),
+    ):
+        path = os.path.join(report_dir, name)
+        partial = path + ".partial.png"
+        draw(plt, history, partial)
+        os.replace(partial, path)
+        images.append(name)
+    markdown = os.path.join(report_dir, "report.md")
+    write_text_atomically(markdown, _markdown(history, images))
+    return Report(report_dir, markdown, [os.path.join(report_dir, name) for name in images])
