@@ -7,9 +7,9 @@ per generation. Variants, each in its own process (its own engine, its own peak 
 - ``trl_hf``: ``trl.GRPOTrainer``, ``use_vllm=False`` (HF ``generate``);
 - ``trl_vllm``: ``trl.GRPOTrainer``, ``use_vllm=True, vllm_mode="colocate"`` (merge-and-push sync);
 - ``ours``: ``trlx_scale.GRPOTrainer`` with what a user turns on (colocated engine, ``shared_prefix="auto"``) and
-  every other option at its default (``vllm_sync_mode="auto"``, ``vllm_dtype="auto"``);
+  every other option at its default (``vllm_sync_mode``, ``vllm_dtype``);
 - ``ours_lora`` / ``ours_full``: the same with ``vllm_sync_mode`` forced to "lora" / "full";
-- ``ours_fp32``: ``ours`` with ``vllm_dtype="trainer"`` (an fp32 engine on CPU).
+- ``ours_fp32`` / ``ours_bf16``: ``ours`` with ``vllm_dtype`` forced to "trainer" (fp32 here) / "auto" (bf16 on CPU).
 
 Seconds per step come from one clock for every variant (a callback at each step's end); the median over steps after
 the first (warm-up) is a run's figure. Phases: trlx_scale's own ``time/*`` metrics; for TRL the same profiler mixed
@@ -43,7 +43,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in the trainer's process (colocated)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-VARIANTS = ("trl_hf", "trl_vllm", "ours", "ours_lora", "ours_full", "ours_fp32")
+VARIANTS = ("trl_hf", "trl_vllm", "ours", "ours_lora", "ours_full", "ours_fp32", "ours_bf16")
 TRL_VARIANTS = ("trl_hf", "trl_vllm")
 
 
@@ -160,6 +160,8 @@ def run_variant(args) -> dict:
             extra["vllm_sync_mode"] = "full"
         elif variant == "ours_fp32":
             extra["vllm_dtype"] = "trainer"
+        elif variant == "ours_bf16":
+            extra["vllm_dtype"] = "auto"
         config = _config(GRPOConfig, args, output_dir, use_vllm=True, **extra)
         trainer_cls = GRPOTrainer
 

@@ -58,13 +58,14 @@ def run_mode(args) -> dict:
     from bench_assets import word_prompts
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
     from vllm import SamplingParams
 
     from trlx_scale import GRPOConfig, GRPOTrainer
 
     model_dir = _model_dir(args.shape)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # The word tokenizer itself: AutoTokenizer would pick Qwen2's class for this config and replace its pre-tokenizer.
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     vocab = tokenizer.vocab_size
     config = GRPOConfig(
         output_dir=os.path.join(args.scratch, args.worker),
@@ -122,6 +123,7 @@ def run_mode(args) -> dict:
         engine.generate(prompts=[ids for ids in step_ids for _ in range(8)], images=None, num_generations=8)
         results["step_gen_s"].append(time.perf_counter() - start)
         engine.pop_metrics()
+        print({k: round(v[-1], 3) for k, v in results.items()}, file=sys.stderr, flush=True)
     payload = {key: statistics.median(values) for key, values in results.items()}
     payload["raw"] = results
     payload["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9

@@ -166,6 +166,7 @@ def test_online_round_builds_valid_pairs_from_the_policy_and_trains(default_mode
         online_num_generations=8,
         online_max_completion_length=6,
         vllm_dtype="float32",
+        vllm_sync_mode="lora",  # "auto" merges on CPU engines; the LoRA-only path is what this test covers
         max_steps=2,
         learning_rate=5e-4,
     )

@@ -64,7 +64,8 @@ def test_example_under_deepspeed_zero3_syncs_gathered_weights(tmp_path, use_peft
     run_command(
         [ACCELERATE, "launch", "--config_file", config, EXAMPLE]
         + ["--max_steps", "2", "--eval_size", "40", "--output_dir", str(out), "--logging_steps", "1"]
-        + ["--use_peft", use_peft, "--learning_rate", "1e-4", "--vllm_sync_bucket_mb", "1"],
+        + ["--use_peft", use_peft, "--learning_rate", "1e-4", "--vllm_sync_bucket_mb", "1"]
+        + ["--vllm_sync_mode", "lora" if use_peft == "true" else "auto"],
         timeout=1200,
     )
     summary = read_run_summary(out)

@@ -128,10 +128,10 @@ def _check_step_metrics(trainer, phases: set[str]):
         step = entry["time/step"]
         named = sum(entry.get(f"time/{p}", 0.0) for p in PHASES if p not in ("other", "ref_scoring"))
         # The named phases cover the step; "other" (logging, the data loader, the scheduler) is the rest. These
-        # steps last 0.05-0.3 s, where the ~5 ms of logging and collation per step weigh more than on real steps
+        # steps last 0.05-0.3 s, where the ~5 ms of logging and collation per step (more on a loaded machine) weigh more than on real steps
         # (docs/benchmarks.md: "other" on the GRPO step benchmark).
         assert named == pytest.approx(step - entry["time/other"], rel=1e-6)
-        assert entry["time/other"] < max(0.1 * step, 0.02), entry
+        assert entry["time/other"] < max(0.1 * step, 0.05), entry
         assert entry["time/profiler_fraction"] < 0.01, entry
         assert 0 < entry["perf/mfu"] < 1
     seen = {key.removeprefix("time/") for e in entries for key in e if key.startswith("time/")}

@@ -30,7 +30,7 @@ _logged = logged
 
 
 def test_lora_only_sync_sends_the_adapter_and_stays_in_sync(default_model_dir, tmp_path):
-    trainer = _trainer(default_model_dir, tmp_path, peft_config=LORA)
+    trainer = _trainer(default_model_dir, tmp_path, peft_config=LORA, vllm_sync_mode="lora")
     engine = trainer.vllm_generation
     assert engine.sync_mode == "lora" and engine.sleep_level == 1
     assert engine.llm.llm_engine.vllm_config.lora_config is not None
@@ -47,7 +47,8 @@ def test_lora_only_sync_sends_the_adapter_and_stays_in_sync(default_model_dir, t
 
 
 def test_full_sync_of_a_merged_lora_policy_also_stays_in_sync(default_model_dir, tmp_path):
-    trainer = _trainer(default_model_dir, tmp_path, peft_config=LORA, vllm_sync_mode="full")
+    """What "auto" does on a CPU engine (CPU_MERGED_SYNC_REASON)."""
+    trainer = _trainer(default_model_dir, tmp_path, peft_config=LORA, vllm_sync_mode="auto")
     assert trainer.vllm_generation.sync_mode == "full" and trainer.vllm_generation.sleep_level == 2
     trainer.train()
     assert max(_logged(trainer, "sync/logprob_gap_max")) < 1e-3
@@ -61,6 +62,7 @@ def test_sleep_mode_on_cpu_runs_the_lifecycle_and_warns_once(default_model_dir, 
             default_model_dir,
             tmp_path,
             peft_config=LORA if use_peft else None,
+            vllm_sync_mode="lora" if use_peft else "auto",
             vllm_enable_sleep_mode=True,
             vllm_sleep_level=level,
         )

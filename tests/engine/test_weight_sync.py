@@ -7,6 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from trlx_scale.generation.weight_sync import (
+    CPU_MERGED_SYNC_REASON,
     choose_sync_mode,
     full_weight_stream,
     lora_ineligibility,
@@ -41,6 +42,10 @@ def test_plain_lora_is_served_by_vllm(default_model):
     model = _lora(default_model, r=48)
     assert lora_ineligibility(model) is None and choose_sync_mode(model, "auto") == ("lora", None)
     assert choose_sync_mode(model, "full")[0] == "full"
+    # On a CPU engine "auto" merges (measured faster per step there); "lora" is still honoured.
+    mode, why = choose_sync_mode(model, "auto", cpu_engine=True)
+    assert mode == "full" and why == CPU_MERGED_SYNC_REASON and "vllm_sync_mode='lora'" in why
+    assert choose_sync_mode(model, "lora", cpu_engine=True) == ("lora", None)
     assert vllm_max_lora_rank(48) == 64 and vllm_max_lora_rank(8) == 8 and vllm_max_lora_rank(513) is None
     assert "not a PEFT model" in lora_ineligibility(default_model)
     with pytest.raises(ValueError, match="vllm_sync_mode must be"):

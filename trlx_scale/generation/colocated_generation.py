@@ -42,7 +42,14 @@ from .cpu_environment import running_on_cpu_only
 from .engine_options import check_positive, check_sleep_level, check_sync_mode, check_vllm_dtype, resolve_sleep_level
 from .grouped_llm import GroupedLLM
 from .lifecycle import EngineLifecycle
-from .weight_sync import LoRAAdapterSync, choose_sync_mode, full_weight_stream, is_fsdp2_sharded, is_peft_model
+from .weight_sync import (
+    CPU_MERGED_SYNC_REASON,
+    LoRAAdapterSync,
+    choose_sync_mode,
+    full_weight_stream,
+    is_fsdp2_sharded,
+    is_peft_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +97,8 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         trainer decides (sampling, lengths, batch) and any engine option it must override."""
         from ..trainer.shared_fields import ColocatedEngineFields  # the trainer package imports this module
 
-        fields = args if isinstance(args, ColocatedEngineFields) else ColocatedEngineFields()
+        # A plain TRL config gets TRL's engine dtype ("auto"): behaviour exactly TRL's until a trlx_scale field is set.
+        fields = args if isinstance(args, ColocatedEngineFields) else ColocatedEngineFields(vllm_dtype="auto")
         options = {**fields.engine_options(), **settings}
         return cls(model=model, accelerator=accelerator, processing_class=processing_class, mode="colocate", **options)
 
@@ -153,9 +161,13 @@ class ColocatedVLLMGeneration(VLLMGeneration):
                 "skipped, so the engine keeps its memory between rollouts.",
                 current_platform.device_name,
             )
-        self.sync_mode, why_not_lora = choose_sync_mode(self.model, self.requested_sync_mode)
+        self.sync_mode, why_not_lora = choose_sync_mode(
+            self.model, self.requested_sync_mode, cpu_engine=running_on_cpu_only()
+        )
         if self.sync_mode == "full" and why_not_lora and is_peft_model(self.model):
-            logger.warning("LoRA-only weight sync is off (%s): merged full weights are sent instead.", why_not_lora)
+            # A choice for speed is news (info); an adapter vLLM cannot serve is a limitation (warning).
+            log = logger.info if why_not_lora == CPU_MERGED_SYNC_REASON else logger.warning
+            log("LoRA-only weight sync is off (%s): merged full weights are sent instead.", why_not_lora)
         self.sleep_level = resolve_sleep_level(self.requested_sleep_level, self.sync_mode)
         if self.sync_mode == "lora":
             self._lora_sync = LoRAAdapterSync(self.model, self._dist.gather_params, self._engine_torch_dtype())

