@@ -79,6 +79,7 @@ def run_mode(args) -> dict:
         use_vllm=True,
         vllm_mode="colocate",
         vllm_sync_mode=args.worker,
+        vllm_dtype="bfloat16",  # the engine in bf16, as the configuration says
         vllm_max_model_length=args.long_prompt + 64,
         model_init_kwargs={"dtype": torch.bfloat16},
         disable_tqdm=True,

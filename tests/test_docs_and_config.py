@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 from trl import TrlParser
 
 from trlx_scale import GRPOConfig, config_reference
@@ -43,6 +44,8 @@ def test_engine_dtype_follows_the_trainer(tmp_path, flags, expected):
     # The default is "trainer" (chosen by measurement, docs/benchmarks.md); "auto" is vLLM's choice, TRL's behaviour.
     assert GRPOConfig(output_dir=str(tmp_path), bf16=False).engine_dtype() == "float32"
     assert GRPOConfig(output_dir=str(tmp_path), bf16=False, vllm_dtype="auto").engine_dtype() == "auto"
+    # A model loaded in bf16 computes in bf16 without mixed precision: the engine follows it instead of upcasting.
+    assert GRPOConfig(output_dir=str(tmp_path), bf16=False).engine_dtype(torch.bfloat16) == "bfloat16"
 
 
 def test_bad_values_name_the_field(tmp_path):

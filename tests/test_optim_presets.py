@@ -35,7 +35,7 @@ def test_preset_fills_defaults_and_user_values_win(tmp_path):
     assert str(args.lr_scheduler_type.value) == "constant_with_warmup"
     assert args.optim_preset_values["learning_rate"] == (3e-6, "user")
     assert args.optim_preset_values["adam_beta2"] == (0.95, "preset")
-    assert args.uses_fp32_master_weights and args.engine_dtype() == "auto"
+    assert args.uses_fp32_master_weights and args.engine_dtype() == "bfloat16"  # default "trainer": the bf16 model
     assert _config(tmp_path, optim_preset="grpo", vllm_dtype="trainer").engine_dtype() == "bfloat16"
 
 

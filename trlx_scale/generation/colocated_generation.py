@@ -99,7 +99,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
 
         # A plain TRL config gets TRL's engine dtype ("auto"): behaviour exactly TRL's until a trlx_scale field is set.
         fields = args if isinstance(args, ColocatedEngineFields) else ColocatedEngineFields(vllm_dtype="auto")
-        options = {**fields.engine_options(), **settings}
+        options = {**fields.engine_options(getattr(model, "dtype", None)), **settings}
         return cls(model=model, accelerator=accelerator, processing_class=processing_class, mode="colocate", **options)
 
     def llm_kwargs(self) -> dict:

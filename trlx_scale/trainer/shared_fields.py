@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from ..generation.engine_options import (
     ENGINE_DTYPES,
     SLEEP_LEVELS,
@@ -119,14 +121,18 @@ class ColocatedEngineFields:
         metadata={"help": "A full weight sync gathers (ZeRO-3/FSDP) and pushes this many MB of parameters at a time."},
     )
 
-    def engine_dtype(self) -> str:
-        """The dtype string handed to ``vllm.LLM`` for ``vllm_dtype``."""
+    def engine_dtype(self, model_dtype: torch.dtype | None = None) -> str:
+        """The dtype string handed to ``vllm.LLM`` for ``vllm_dtype``. "trainer": bf16/fp16 mixed precision or fp32
+        masters (model held in bf16) decide; otherwise the dtype the model's weights are in (``model_dtype``; a model
+        loaded in bf16 computes in bf16, so an fp32 engine would only upcast), fp32 when unknown."""
         if self.vllm_dtype != "trainer":
             return self.vllm_dtype
         if self.bf16 or self.uses_fp32_master_weights:
             return "bfloat16"
         if self.fp16:
             return "float16"
+        if model_dtype in (torch.bfloat16, torch.float16):
+            return str(model_dtype).removeprefix("torch.")
         return "float32"
 
     def validate_engine_fields(self) -> None:
@@ -137,10 +143,10 @@ class ColocatedEngineFields:
         check_positive("vllm_sync_bucket_mb", self.vllm_sync_bucket_mb)
         check_kvcache_space(self.vllm_cpu_kvcache_space)
 
-    def engine_options(self) -> dict:
+    def engine_options(self, model_dtype: torch.dtype | None = None) -> dict:
         """The trlx_scale arguments of ``ColocatedVLLMGeneration`` these fields set (see ``from_config``)."""
         return dict(
-            dtype=self.engine_dtype(),
+            dtype=self.engine_dtype(model_dtype),
             enforce_eager=self.vllm_enforce_eager,
             sync_mode=self.vllm_sync_mode,
             sleep_level=self.vllm_sleep_level,
