@@ -116,6 +116,8 @@ def test_added_config_fields_have_help(ours_cls, trl_cls):
     assert added, f"trlx_scale adds fields to {ours_cls.__name__}"
     for f in added:
         assert len(f.metadata.get("help", "")) > 20, f"{f.name} needs a help text"
+        # argparse %-formats help strings: a bare "%" breaks every example's --help.
+        assert "%" not in f.metadata["help"].replace("%%", ""), f"{f.name}: write 'percent', not '%'"
 
 
 def test_overridden_methods_exist_upstream_with_the_same_signature():

@@ -163,7 +163,7 @@ class ProfilingFields:
         metadata={
             "help": "Time every phase of each step (generation, weight sync, reward, log-prob passes, loss, "
             "optimizer, ...) on every rank and log the slowest rank's times as time/<phase>, with token throughput "
-            "and MFU (docs/profiling.md). Costs well under 1% of a step (logged as time/profiler_fraction)."
+            "and MFU (docs/profiling.md). Costs well under one percent of a step (logged as time/profiler_fraction)."
         },
     )
     peak_tflops: float | None = field(
