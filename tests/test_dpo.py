@@ -192,6 +192,9 @@ def test_online_round_builds_valid_pairs_from_the_policy_and_trains(default_mode
     trainer.train()
     logged = {key for entry in trainer.state.log_history for key in entry}
     assert {"online/reward_mean", "online/pair_fraction", "sync/bytes"} <= logged
+    # The profiler's phases of an online round (trlx_scale.profiling): sampling, its sync, the rewards, the loss.
+    assert {"time/generation", "time/weight_sync", "time/reward", "time/loss_forward_backward"} <= logged
+    assert {"throughput/generated_tokens_per_s", "perf/mfu"} <= logged
     assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
 
 
