@@ -106,9 +106,12 @@ def _plot_phases(plt, history: RunHistory, path: str) -> None:
         _no_data(axis, "time per phase (profile_phases)")
     else:
         bottom = [0.0] * len(steps)
-        colors = plt.get_cmap("tab20").colors
+        colors = plt.get_cmap("tab10").colors
+        # Bars as wide as the logging interval allows (logging_steps apart), not one step wide.
+        spacing = min((b - a for a, b in zip(steps, steps[1:], strict=False)), default=1)
         for index, (name, values) in enumerate(phases.items()):
-            axis.bar(steps, values, bottom=bottom, label=name, color=colors[index % len(colors)], width=0.8)
+            color = colors[index % len(colors)]
+            axis.bar(steps, values, bottom=bottom, label=name, color=color, width=0.8 * spacing)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         axis.set_xlabel("step")
         axis.set_ylabel("seconds (slowest rank)")
