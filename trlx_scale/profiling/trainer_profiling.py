@@ -56,6 +56,7 @@ class PhaseProfilerMixin:
         self._setup_phases: dict[str, float] = {}
         self._profiler_seconds = 0.0
         self._flops_shape: ModelFlops | None = None
+        self._pending_passes: list[tuple[torch.Tensor, bool, float]] = []  # (row lengths, training, token ratio)
         self._peak_tflops: float | None = None
         super().__init__(*args, **kwargs)
         if self.phase_timer.enabled:
@@ -78,16 +79,22 @@ class PhaseProfilerMixin:
 
     def _count_logprob_pass(self, attention_mask: torch.Tensor, training: bool, token_ratio: float = 1.0) -> None:
         """FLOPs (and trained tokens) of a log-prob pass over these rows. ``token_ratio`` > 1: the shared-prefix pass
-        processed that many times fewer tokens than the rows hold."""
+        processed that many times fewer tokens than the rows hold. The row lengths stay on the device until the
+        step ends (no device sync inside the pass)."""
         if not self.phase_timer.enabled:
             return
         with self._bookkeeping():
-            lengths = attention_mask.sum(dim=-1).tolist()
-            shape = self._model_flops()
+            self._pending_passes.append((attention_mask.sum(dim=-1).detach(), training, token_ratio))
+
+    def _count_pending_passes(self) -> None:
+        shape = self._model_flops()
+        for lengths_tensor, training, token_ratio in self._pending_passes:
+            lengths = lengths_tensor.tolist()
             flops = shape.training_flops(lengths) if training else shape.forward_flops(lengths)
             self.phase_timer.count("flops", flops / token_ratio)
             if training:
                 self.phase_timer.count("trained_tokens", sum(lengths) / token_ratio)
+        self._pending_passes = []
 
     def _count_generation(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:
         """Tokens and FLOPs of one generation call (each distinct prompt prefilled once: prefix cache, n=G)."""
@@ -115,6 +122,7 @@ class PhaseProfilerMixin:
 
     def _close_step(self, seconds: float) -> None:
         with self._bookkeeping():
+            self._count_pending_passes()
             phases, counters = self.phase_timer.take()
             phases["other"] = phases.get("other", 0.0) + max(seconds - sum(phases.values()), 0.0)
             self._step_records.append(StepRecord(seconds, phases, counters))
@@ -160,6 +168,7 @@ class _StepClock(TrainerCallback):
         # What ran before training (DPO's reference scoring) is logged once, with the first step's metrics.
         phases, _ = trainer.phase_timer.take()
         trainer._setup_phases = {name: seconds for name, seconds in phases.items() if seconds > 0}
+        trainer._pending_passes = []  # passes before training are not a step's work
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         dtype = next((p.dtype for p in unwrapped.parameters() if p.requires_grad), torch.float32)
         trainer._flops_shape = ModelFlops.of(unwrapped)
