@@ -11,23 +11,11 @@ from trlx_scale import DPOConfig, DPOTrainer
 from trlx_scale.tasks import addition_dataset, addition_preference_dataset, exact_match_reward
 from trlx_scale.trainer.preference_pairs import best_worst_pairs, completion_logprob_sums
 
+from .helpers.trainers import small_dpo_config
+
 
 def _args(config_cls, output_dir, **overrides):
-    values = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=8,
-        max_steps=2,
-        learning_rate=1e-4,
-        max_length=64,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        bf16=False,
-        seed=3,
-        disable_tqdm=True,
-    )
-    values.update(overrides)
-    return config_cls(**values)
+    return small_dpo_config(output_dir, config_cls, **overrides)
 
 
 def test_addition_preference_data_prefers_the_correct_answer():

@@ -12,7 +12,7 @@ from trlx_scale.profiling.flops import ModelFlops, generation_flops
 from trlx_scale.profiling.phase_timer import PHASES, PhaseTimer
 
 from .helpers.models import tiny_llama_config
-from .helpers.trainers import logged
+from .helpers.trainers import logged, small_dpo_config
 
 
 class FakeClock:
@@ -184,22 +184,10 @@ def test_ppo_times_the_critic_and_the_reference(default_model_dir, tmp_path):
 
 
 def test_dpo_logs_reference_scoring_once_and_step_phases(default_model_dir, tmp_path):
-    from trlx_scale import DPOConfig, DPOTrainer
+    from trlx_scale import DPOTrainer
     from trlx_scale.tasks import addition_preference_dataset
 
-    args = DPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        max_steps=3,
-        learning_rate=1e-4,
-        max_length=64,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        precompute_ref_log_probs=True,
-        bf16=False,
-        disable_tqdm=True,
-    )
+    args = small_dpo_config(tmp_path, max_steps=3, precompute_ref_log_probs=True)
     trainer = DPOTrainer(
         model=default_model_dir,
         args=args,

@@ -25,6 +25,27 @@ def small_grpo_config(output_dir, config_cls=None, **overrides):
     return (config_cls or GRPOConfig)(**values)
 
 
+def small_dpo_config(output_dir, config_cls=None, **overrides):
+    """A DPO config for seconds-long runs on the default model: 8 pairs per step, fp32 on CPU."""
+    from trlx_scale import DPOConfig
+
+    values = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=8,
+        max_steps=2,
+        learning_rate=1e-4,
+        max_length=64,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        seed=3,
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return (config_cls or DPOConfig)(**values)
+
+
 def logged(trainer, key):
     """Every value of one metric in a trainer's log history, in order."""
     return [entry[key] for entry in trainer.state.log_history if key in entry]

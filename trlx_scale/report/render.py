@@ -67,26 +67,23 @@ def _plot_reward(plt, history: RunHistory, path: str) -> None:
     plt.close(figure)
 
 
+def _plot_series_panel(axis, history: RunHistory, keys: tuple[str, ...], title: str) -> None:
+    """One line per logged key of ``keys`` on ``axis``, or a "not logged" note."""
+    present = [k for k in keys if history.series(k)[0]]
+    for key in present:
+        axis.plot(*history.series(key), label=key)
+    if not present:
+        _no_data(axis, title)
+        return
+    axis.set_xlabel("step")
+    axis.legend(fontsize=8)
+    axis.set_title(title)
+
+
 def _plot_kl_clip(plt, history: RunHistory, path: str) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    kl_keys = [k for k in KL_KEYS if history.series(k)[0]]
-    for key in kl_keys:
-        left.plot(*history.series(key), label=key)
-    if kl_keys:
-        left.set_xlabel("step")
-        left.legend(fontsize=8)
-        left.set_title("KL")
-    else:
-        _no_data(left, "KL")
-    clip_keys = [k for k in CLIP_KEYS if history.series(k)[0]]
-    for key in clip_keys:
-        right.plot(*history.series(key), label=key)
-    if clip_keys:
-        right.set_xlabel("step")
-        right.legend(fontsize=8)
-        right.set_title("clip fractions")
-    else:
-        _no_data(right, "clip fractions")
+    _plot_series_panel(left, history, KL_KEYS, "KL")
+    _plot_series_panel(right, history, CLIP_KEYS, "clip fractions")
     figure.tight_layout()
     figure.savefig(path, dpi=80)
     plt.close(figure)
