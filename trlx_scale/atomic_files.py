@@ -14,6 +14,8 @@ def write_text_atomically(path: str, text: str) -> None:
     try:
         with open(temporary, "w") as handle:
             handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())  # on disk before the rename makes it visible
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 from trl import DPOConfig as TRLDPOConfig
 
-from .shared_fields import ColocatedEngineFields, OptimizerPresetFields, ProfilingFields
+from .shared_fields import ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields
 
 
 @dataclass
-class DPOConfig(ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, TRLDPOConfig):
+class DPOConfig(ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields, TRLDPOConfig):
     r"""
     Configuration for [`trlx_scale.DPOTrainer`]: every field of [`trl.DPOConfig`], same names, same defaults, same
     meaning, plus the fields below. While they keep their defaults the trainer behaves exactly like TRL's.
@@ -84,6 +84,7 @@ class DPOConfig(ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, T
         super().__post_init__()
         self.validate_engine_fields()
         self.validate_profiling_fields()
+        self.validate_reliability_fields()
         if self.online and self.online_num_generations < 2:
             raise ValueError(
                 f"online_num_generations must be at least 2 to form a (chosen, rejected) pair, got "

@@ -35,6 +35,9 @@ from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.weight_sync import is_peft_model
 from ..planning.trainer_memory import PlannedMemoryMixin
 from ..profiling.trainer_profiling import PhaseProfilerMixin
+from ..reliability.checkpoints import AtomicCheckpointMixin
+from ..reliability.nonfinite_guard import NonFiniteGuardMixin
+from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from .dpo_config import DPOConfig
 from .master_weights_setup import MasterWeightsMixin
 from .preference_pairs import best_worst_pairs, completion_logprob_sums
@@ -58,7 +61,14 @@ logger = logging.get_logger(__name__)
 REF_SCORING_CHUNK = 512
 
 
-class DPOTrainer(PhaseProfilerMixin, PlannedMemoryMixin, MasterWeightsMixin, TRLDPOTrainer):
+class DPOTrainer(
+    PhaseProfilerMixin,
+    NonFiniteGuardMixin,
+    AtomicCheckpointMixin,
+    PlannedMemoryMixin,
+    MasterWeightsMixin,
+    TRLDPOTrainer,
+):
     """Direct Preference Optimization, as [`trl.DPOTrainer`], with trlx_scale's options.
 
     The constructor takes TRL's arguments in TRL's order (a contract test compares the signatures) and one more,
@@ -104,7 +114,7 @@ class DPOTrainer(PhaseProfilerMixin, PlannedMemoryMixin, MasterWeightsMixin, TRL
             )
         if reward_funcs and not self._online:
             raise ValueError("reward_funcs is used by online DPO only: set online=True in DPOConfig or drop them.")
-        self.reward_funcs = reward_funcs
+        self.reward_funcs = guard_reward_functions(reward_funcs, args.reward_errors if ours else "raise")
         if ours and args.uses_engine:
             configure_vllm_cpu_environment(args.vllm_cpu_kvcache_space)
         if self._online:
@@ -135,6 +145,7 @@ class DPOTrainer(PhaseProfilerMixin, PlannedMemoryMixin, MasterWeightsMixin, TRL
                 pad_to_multiple_of=args.pad_to_multiple_of,
             )
         self._setup_master_weights()
+        self._setup_nonfinite_guard()
 
     # ------------------------------------------------------------------ engine
 
@@ -309,6 +320,9 @@ class DPOTrainer(PhaseProfilerMixin, PlannedMemoryMixin, MasterWeightsMixin, TRL
             for func in self.reward_funcs:
                 values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
                 rewards += torch.tensor([float("nan") if v is None else v for v in values])
+            skipped = raise_reward_errors(self.reward_funcs, self.accelerator)
+        if skipped or self.args.reward_errors == "skip":
+            self._metrics["train"]["reliability/reward_errors"].append(float(skipped))
         pairs, stats = best_worst_pairs(prompt_ids, completion_ids, rewards.view(len(examples), group))
         mode = "train"
         for key, value in {**stats, **engine.pop_metrics()}.items():

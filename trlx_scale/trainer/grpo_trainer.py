@@ -25,6 +25,9 @@ from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..planning.trainer_memory import PlannedMemoryMixin
 from ..prefix.shared_prefix import shared_prefix_logps, shared_token_ratio, unsupported_reason
 from ..profiling.trainer_profiling import PhaseProfilerMixin
+from ..reliability.checkpoints import AtomicCheckpointMixin
+from ..reliability.nonfinite_guard import NonFiniteGuardMixin
+from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from .grpo_config import GRPOConfig
 from .master_weights_setup import MasterWeightsMixin
 from .shared_fields import option
@@ -43,7 +46,14 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 
-class GRPOTrainer(PhaseProfilerMixin, PlannedMemoryMixin, MasterWeightsMixin, TRLGRPOTrainer):
+class GRPOTrainer(
+    PhaseProfilerMixin,
+    NonFiniteGuardMixin,
+    AtomicCheckpointMixin,
+    PlannedMemoryMixin,
+    MasterWeightsMixin,
+    TRLGRPOTrainer,
+):
     """Group Relative Policy Optimization, as [`trl.GRPOTrainer`], with trlx_scale's scaling features.
 
     The constructor mirrors TRL's argument for argument (a contract test compares the signatures), so a script
@@ -84,6 +94,8 @@ class GRPOTrainer(PhaseProfilerMixin, PlannedMemoryMixin, MasterWeightsMixin, TR
             args = copy.copy(args)
             args.use_vllm = False
         self._loss_pass_inputs = None  # the batch of the loss pass in progress (see _compute_loss)
+        # Each synchronous reward function reports its failures on every rank (trlx_scale.reliability).
+        reward_funcs = guard_reward_functions(reward_funcs, option(args, GRPOConfig, "reward_errors"))
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
@@ -106,6 +118,7 @@ class GRPOTrainer(PhaseProfilerMixin, PlannedMemoryMixin, MasterWeightsMixin, TR
         if self.sequence_token_ratios:
             self.importance_sampling_level = "token"
         self._setup_master_weights()
+        self._setup_nonfinite_guard()
         if colocate:
             self.args.use_vllm = True  # our copy: this run does generate with vLLM
             self.use_vllm = True
@@ -147,6 +160,10 @@ class GRPOTrainer(PhaseProfilerMixin, PlannedMemoryMixin, MasterWeightsMixin, TR
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self.phase_timer.phase("reward"):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            skipped = raise_reward_errors(self.reward_funcs, self.accelerator)  # the same error on every rank
+        if option(self.args, GRPOConfig, "reward_errors") == "skip":
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["reliability/reward_errors"].append(float(skipped))
         # TRL turns these into advantages inside _generate_and_score_completions and returns only those; kept for
         # _score_rollout, which runs as soon as that call returns.
         self._rollout_rewards_per_func = rewards_per_func

@@ -261,7 +261,20 @@ class PPOTrainer(GRPOTrainer):
         scale = self.current_gradient_accumulation_steps
         return policy_loss + self.args.vf_coef * value_loss / scale
 
+    def _extra_gradients_finite(self) -> torch.Tensor | bool:
+        # The critic's gradients count for the non-finite guard: policy and critic steps are skipped together
+        # (one loss, policy + vf_coef x value loss, produced both).
+        grads = [p.grad for p in self.critic.trainable_parameters() if p.grad is not None]
+        if not grads:
+            return True
+        return torch.stack([torch.isfinite(g).all() for g in grads]).all()
+
+    def _on_skipped_step(self) -> None:
+        self.critic_optimizer.zero_grad(set_to_none=True)
+
     def _step_critic(self) -> None:
+        if self._guard_state()["skip"]:
+            return  # the guard skipped this step: the critic's gradients were dropped with the policy's
         with self.phase_timer.phase("critic"):
             self._critic_optimizer_step()
 

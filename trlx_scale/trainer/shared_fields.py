@@ -178,3 +178,42 @@ class ProfilingFields:
     def validate_profiling_fields(self) -> None:
         if self.peak_tflops is not None:
             check_positive("peak_tflops", self.peak_tflops, "It is the TFLOP/s of one device, e.g. 989 for an H100.")
+
+
+REWARD_ERROR_MODES = ("raise", "skip")
+
+
+@dataclass
+class ReliabilityFields:
+    """Fault handling (trlx_scale.reliability): non-finite steps and failing reward functions."""
+
+    max_consecutive_skipped_steps: int = field(
+        default=3,
+        metadata={
+            "help": "A step whose loss or gradient norm is NaN/inf is skipped (gradients dropped; weights, fp32 "
+            "masters and Adam moments untouched; vLLM keeps its weights) and counted in reliability/skipped_steps. "
+            "After this many skipped steps in a row training stops with an error. 0 turns the guard off."
+        },
+    )
+    reward_errors: str = field(
+        default="raise",
+        metadata={
+            "help": "What a reward function that raises does to the run. 'raise': stop on every rank with an error "
+            "naming the function, the sample index and its completion. 'skip': score that sample NaN (as TRL does "
+            "with None: the other functions' rewards still count), count it in reliability/reward_errors, go on. "
+            "A reward of inf is an error in both modes.",
+            "choices": list(REWARD_ERROR_MODES),
+        },
+    )
+
+    def validate_reliability_fields(self) -> None:
+        if not isinstance(self.max_consecutive_skipped_steps, int) or self.max_consecutive_skipped_steps < 0:
+            raise ValueError(
+                f"max_consecutive_skipped_steps must be an integer >= 0 (0 turns the non-finite guard off), got "
+                f"{self.max_consecutive_skipped_steps!r}."
+            )
+        if self.reward_errors not in REWARD_ERROR_MODES:
+            raise ValueError(
+                f"reward_errors must be one of {REWARD_ERROR_MODES} ('raise' stops the run, 'skip' scores the sample "
+                f"NaN), got {self.reward_errors!r}."
+            )

@@ -1,0 +1,149 @@
+"""Reward functions that fail loudly and the same way on every rank.
+
+A plain reward function that raises on rank 1 kills rank 1 with its own bare message while rank 0 waits forever in
+the next gather. ``GuardedRewardFunction`` wraps each synchronous reward function: a failing batch is retried sample
+by sample to find which sample fails, the failure is recorded (not raised), and the batch gets NaN for that sample
+so the trainer reaches its collectives. ``raise_reward_errors`` then runs on every rank at the same point: one MAX
+all-reduce of a flag, and only when some rank failed, a gather of the messages, so every rank raises the same
+``RewardFunctionError`` naming the function, the rank, the sample index and its (truncated) completion.
+
+With ``reward_errors="skip"`` a failing sample keeps NaN, which TRL treats as a None reward (the other functions'
+rewards for that sample still count) and is counted in ``reliability/reward_errors``. A reward of +-inf is always an
+error: it would dominate the group's normalisation and silently train on garbage.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from trl.trainer.utils import get_callable_name, is_async_callable
+
+COMPLETION_PREVIEW_CHARS = 200
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned inf, for a sample."""
+
+
+def _preview(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= COMPLETION_PREVIEW_CHARS else text[:COMPLETION_PREVIEW_CHARS] + "..."
+
+
+class GuardedRewardFunction:
+    """A synchronous reward function (TRL's signature) whose failures are located, recorded and reported.
+
+    Args:
+        func: the reward function, ``func(prompts=..., completions=..., **kwargs) -> list[float | None]``.
+        mode: ``"raise"`` or ``"skip"`` (see ``ReliabilityFields.reward_errors``).
+    """
+
+    def __init__(self, func: Callable, mode: str):
+        self.func = func
+        self.mode = mode
+        functools.update_wrapper(self, func)
+        self.__name__ = get_callable_name(func)  # TRL names the reward's metrics after it (partials, instances too)
+        self.errors: list[str] = []  # messages of this rank since the last check (raise mode, or inf)
+        self.skipped = 0  # samples scored NaN in skip mode since the last check
+
+    @property
+    def name(self) -> str:
+        return self.__name__
+
+    def __call__(self, prompts: Sequence, completions: Sequence, **kwargs: Any) -> list:
+        try:
+            rewards = list(self.func(prompts=prompts, completions=completions, **kwargs))
+        except Exception:  # noqa: BLE001 - located per sample below, then reported on every rank
+            rewards = self._score_one_by_one(prompts, completions, kwargs)
+        for index, reward in enumerate(rewards):
+            if reward is not None and isinstance(reward, (int, float)) and math.isinf(reward):
+                self.errors.append(
+                    f"reward function '{self.name}' returned {reward} for sample {index} (completion "
+                    f"{_preview(completions[index])!r}); rewards must be finite (return None to skip a sample)."
+                )
+                rewards[index] = None
+        return rewards
+
+    def _score_one_by_one(self, prompts: Sequence, completions: Sequence, kwargs: dict) -> list:
+        count = len(prompts)
+        rewards: list = []
+        for index in range(count):
+            # List-valued kwargs (dataset columns, completion_ids) are per sample; the rest (trainer_state,
+            # log_metric, ...) is passed as is.
+            sample_kwargs = {
+                key: value[index : index + 1] if isinstance(value, list) and len(value) == count else value
+                for key, value in kwargs.items()
+            }
+            try:
+                rewards.extend(
+                    self.func(
+                        prompts=prompts[index : index + 1], completions=completions[index : index + 1], **sample_kwargs
+                    )
+                )
+            except Exception as error:  # noqa: BLE001
+                rewards.append(None)
+                if self.mode == "skip":
+                    self.skipped += 1
+                else:
+                    self.errors.append(
+                        f"reward function '{self.name}' raised {type(error).__name__}: {error} on sample {index} "
+                        f"of this rank's batch (prompt {_preview(prompts[index])!r}, completion "
+                        f"{_preview(completions[index])!r}). Fix the function, or set reward_errors='skip' to score "
+                        "failing samples NaN and go on."
+                    )
+        return rewards
+
+    def pop_report(self) -> tuple[list[str], int]:
+        errors, skipped = self.errors, self.skipped
+        self.errors, self.skipped = [], 0
+        return errors, skipped
+
+
+def guard_reward_functions(reward_funcs: Any, mode: str) -> Any:
+    """Wrap each synchronous callable of ``reward_funcs`` (a callable, a list, or None); reward models (modules, model
+    ids) and async functions are returned as they are."""
+    if reward_funcs is None:
+        return None
+    single = not isinstance(reward_funcs, (list, tuple))
+    funcs = [reward_funcs] if single else list(reward_funcs)
+    wrapped = [
+        GuardedRewardFunction(f, mode)
+        if callable(f)
+        and not isinstance(f, (torch.nn.Module, GuardedRewardFunction))
+        and not is_async_callable(f)  # TRL awaits those itself (left unguarded)
+        else f
+        for f in funcs
+    ]
+    return wrapped[0] if single else wrapped
+
+
+def raise_reward_errors(reward_funcs: Sequence, accelerator) -> int:
+    """Collect the guarded functions' reports on every rank; raise the same error everywhere if any rank failed.
+
+    Returns the number of samples skipped on this rank (skip mode). Call it at the same point on every rank.
+    """
+    errors: list[str] = []
+    skipped = 0
+    for func in reward_funcs:
+        if isinstance(func, GuardedRewardFunction):
+            func_errors, func_skipped = func.pop_report()
+            errors.extend(func_errors)
+            skipped += func_skipped
+    failed = torch.tensor([float(bool(errors))], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        failed = accelerator.reduce(failed, reduction="max")
+    if failed.item() > 0:
+        from accelerate.utils import gather_object
+
+        rank_errors = (
+            gather_object([(accelerator.process_index, errors)])
+            if accelerator.num_processes > 1
+            else [(accelerator.process_index, errors)]
+        )
+        lines = [f"rank {rank}: {message}" for rank, messages in rank_errors for message in messages]
+        raise RewardFunctionError(f"{len(lines)} reward error(s):\n" + "\n".join(lines[:10]))
+    return skipped
