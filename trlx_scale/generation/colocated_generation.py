@@ -38,10 +38,19 @@ from ..compat.vllm_weight_reload import (
     with_tied_aliases,
 )
 from ..profiling.phase_timer import PhaseTimer
+from ..reliability.input_checks import check_prompts_fit_context
 from .cpu_environment import running_on_cpu_only
-from .engine_options import check_positive, check_sleep_level, check_sync_mode, check_vllm_dtype, resolve_sleep_level
+from .engine_options import (
+    check_positive,
+    check_sleep_level,
+    check_sync_mode,
+    check_tensor_parallel_layout,
+    check_vllm_dtype,
+    resolve_sleep_level,
+)
 from .grouped_llm import GroupedLLM
 from .lifecycle import EngineLifecycle
+from .rollout_seeds import RolloutSeedContext
 from .weight_sync import (
     CPU_MERGED_SYNC_REASON,
     LoRAAdapterSync,
@@ -65,6 +74,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         sync_mode: "auto" (LoRA-only when vLLM can serve the adapter, else full), "lora" or "full".
         sleep_level: "auto" (1 for LoRA-only sync, 2 for full), 1 or 2; used when ``enable_sleep_mode``.
         sync_bucket_mb: size of the buckets a full sync gathers and pushes at a time.
+        per_request_seed: seed each request from (seed, rank, step, prompt) once ``set_rollout_seed`` was called.
     """
 
     def __init__(
@@ -75,6 +85,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         sync_mode: str = "auto",
         sleep_level: str | int = "auto",
         sync_bucket_mb: float = 256.0,
+        per_request_seed: bool = False,
         **kwargs,
     ):
         self.dtype = check_vllm_dtype(dtype)
@@ -82,6 +93,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         self.requested_sync_mode = check_sync_mode(sync_mode)
         self.requested_sleep_level = check_sleep_level(sleep_level)
         self.sync_bucket_bytes = int(check_positive("vllm_sync_bucket_mb", sync_bucket_mb) * 2**20)
+        self.per_request_seed = per_request_seed
         self._tied_aliases: dict[str, str] | None = None
         self._metrics: dict[str, float] = {}
         # The trainer's step profiler (trlx_scale.profiling); a weight sync is its own phase inside generation.
@@ -98,7 +110,11 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         from ..trainer.shared_fields import ColocatedEngineFields  # the trainer package imports this module
 
         # A plain TRL config gets TRL's engine dtype ("auto"): behaviour exactly TRL's until a trlx_scale field is set.
-        fields = args if isinstance(args, ColocatedEngineFields) else ColocatedEngineFields(vllm_dtype="auto")
+        fields = (
+            args
+            if isinstance(args, ColocatedEngineFields)
+            else ColocatedEngineFields(vllm_dtype="auto", vllm_per_request_seed=False)
+        )
         options = {**fields.engine_options(getattr(model, "dtype", None)), **settings}
         return cls(model=model, accelerator=accelerator, processing_class=processing_class, mode="colocate", **options)
 
@@ -193,10 +209,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
     # leaves no hook for the engine arguments trlx_scale adds; tests/test_trl_contract.py pins these lines of TRL's.
     def _join_tensor_parallel_group(self) -> None:
         tp, world = self.tensor_parallel_size, self.accelerator.num_processes
-        if world % tp != 0:
-            raise ValueError(
-                f"vllm_tensor_parallel_size ({tp}) must divide the number of processes ({world}); choose a divisor."
-            )
+        check_tensor_parallel_layout(tp, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if tp > 1:
             # Consecutive ranks form one tensor-parallel group: [0, 1], [2, 3], ... for size 2.
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
@@ -273,9 +286,17 @@ class ColocatedVLLMGeneration(VLLMGeneration):
 
     # ------------------------------------------------------------------ generation
 
+    def set_rollout_seed(self, seed: int, step: int, mode: str = "train") -> None:
+        """The seed context of the next rollouts (no effect unless ``per_request_seed``): see rollout_seeds.py."""
+        if self.per_request_seed:
+            rank = self.accelerator.process_index // self.tensor_parallel_size  # a TP group samples identically
+            self.llm.seed_context = RolloutSeedContext(seed, rank, step, mode)
+
     def generate(self, prompts, images, num_generations, profiler=None):
         """TRL's colocate ``generate``, run on ``GroupedLLM`` inside the engine's lifecycle:
         sync if asleep -> wake the KV cache -> reset the prefix cache -> TRL's generate -> sleep."""
+        context = self.llm.llm_engine.model_config.max_model_len
+        check_prompts_fit_context(_prompt_token_ids(prompts), self.max_completion_length, context)  # before waking
         memory_before = _device_memory()
         if self.lifecycle.state is self.lifecycle.state.ASLEEP:
             self.sync_weights()  # slept since the last sync: weights to wake (level 1) or to refill (level 2)
@@ -344,6 +365,11 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         """Metrics of the rounds since the last call (the trainer logs them through TRL's metric path)."""
         metrics, self._metrics = self._metrics, {}
         return metrics
+
+
+def _prompt_token_ids(prompts) -> list:
+    """TRL hands token-id lists (or dicts holding them, for multimodal rows)."""
+    return [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]
 
 
 def _device_memory() -> float | None:

@@ -59,3 +59,18 @@ def check_positive(field: str, value: float, hint: str = "") -> float:
 
 def check_kvcache_space(value: float) -> float:
     return check_positive("vllm_cpu_kvcache_space", value, "It is GiB of host memory; 1 is plenty for small models.")
+
+
+def check_tensor_parallel_layout(tp: int, world: int, local_world: int) -> None:
+    """A tensor-parallel group of the colocated engine is consecutive ranks, and must live on one node: vLLM
+    all-reduces inside it at every decoding step, which across nodes would crawl (or hang without a shared network)."""
+    if world % tp != 0:
+        raise ValueError(
+            f"vllm_tensor_parallel_size ({tp}) must divide the number of processes ({world}); choose a divisor."
+        )
+    if tp > 1 and (tp > local_world or local_world % tp != 0):
+        raise ValueError(
+            f"vllm_tensor_parallel_size={tp} would put a tensor-parallel group across nodes: each node runs "
+            f"{local_world} processes. Choose a vllm_tensor_parallel_size that divides the processes per node "
+            f"({local_world})."
+        )

@@ -9,6 +9,8 @@ the ``vllm.LLM`` keeps all of that TRL's own code, and changes three things:
   computes the prompt once and shares its KV blocks (``group_generation``); rows come back in TRL's order, one
   completion each;
 - the LoRA adapter the engine synced is served with every request (LoRA-only weight sync);
+- with a seed context set, each request gets its own seed (``rollout_seeds``), so a resumed run samples what the
+  uninterrupted one did;
 - sleep and wake are the engine's lifecycle's (``lifecycle.EngineLifecycle``: the right tags, order and level), so
   TRL's calls are no-ops here.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .group_generation import collapse_runs, expand_outputs
+from .rollout_seeds import RolloutSeedContext, request_seed
 
 
 class CompletionRow:
@@ -40,6 +43,9 @@ class GroupedLLM:
         # teardown then breaks the next engine of the process.
         self.lora_request: Any = None
         self.last_unique_prompts = 0
+        # Set by the trainer before each rollout when per-request seeds are on (rollout_seeds.py); None: vLLM's
+        # engine-wide generator, as in TRL.
+        self.seed_context: RolloutSeedContext | None = None
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -49,9 +55,14 @@ class GroupedLLM:
             [row["prompt_token_ids"] for row in prompts], [row.get("multi_modal_data") for row in prompts]
         )
         per_run = []
-        for _, count in runs:
+        occurrences: dict[tuple, int] = {}
+        for first, count in runs:
             params = sampling_params.clone()
             params.n = count
+            if self.seed_context is not None:
+                key = tuple(prompts[first]["prompt_token_ids"])
+                occurrences[key] = occurrences.get(key, -1) + 1
+                params.seed = request_seed(self.seed_context, key, occurrences[key])
             per_run.append(params)
         outputs = self.inner.generate(
             [prompts[first] for first, _ in runs],

@@ -19,12 +19,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from .base_check import base_differs_from_checkpoint, base_rewriting_init
 from .engine_options import check_sync_mode
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,12 @@ def lora_ineligibility(model: torch.nn.Module) -> str | None:
         return f"the adapter is {config.peft_type}, not LoRA"
     if getattr(config, "use_dora", False):
         return "DoRA adapters are not supported by vLLM"
+    rewriting = base_rewriting_init(config)
+    if rewriting is not None:
+        return (
+            f"init_lora_weights={rewriting!r} rewrote the base weights, so the engine's base (loaded from the "
+            "checkpoint) is not the policy's"
+        )
     if getattr(config, "modules_to_save", None):
         return f"modules_to_save={config.modules_to_save} (fully trained modules) are not LoRA weights"
     ranks = [config.r, *(getattr(config, "rank_pattern", None) or {}).values()]
@@ -97,17 +106,38 @@ def choose_sync_mode(model: torch.nn.Module, requested: str, cpu_engine: bool = 
     if reason is None:
         if requested == "auto" and cpu_engine:
             return "full", CPU_MERGED_SYNC_REASON
-        return "lora", None
+        reason = base_differs_from_checkpoint(model)  # an in-memory edit of the base: only merged weights carry it
+        if reason is None:
+            return "lora", None
     if requested == "lora":
         raise ValueError(f"vllm_sync_mode='lora' is impossible: {reason}. Use vllm_sync_mode='auto' or 'full'.")
     return "full", reason
 
 
-def ram_backed_directory(prefix: str) -> str:
-    """A private directory in RAM (``/dev/shm``) when available, so adapter updates never wait on a disk."""
-    root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    if root is None:
-        logger.warning("No writable /dev/shm: LoRA adapters are exchanged through %s.", tempfile.gettempdir())
+RAM_DIRECTORY = "/dev/shm"
+
+
+def ram_backed_directory(prefix: str, needed_bytes: int = 0) -> str:
+    """A private directory in RAM (``/dev/shm``) when available and large enough, so adapter updates never wait on a
+    disk; else a temporary directory on disk, with a warning that says why (Docker gives /dev/shm 64 MB by default,
+    a rank-64 adapter of a 7B model is ~320 MB)."""
+    root: str | None = RAM_DIRECTORY
+    if not (os.path.isdir(RAM_DIRECTORY) and os.access(RAM_DIRECTORY, os.W_OK)):
+        logger.warning("No writable %s: LoRA adapters are exchanged through %s.", RAM_DIRECTORY, tempfile.gettempdir())
+        root = None
+    elif shutil.disk_usage(RAM_DIRECTORY).free < 2 * needed_bytes:  # the new file is written beside the old one
+        free = shutil.disk_usage(RAM_DIRECTORY).free
+        logger.warning(
+            "%s has %.0f MB free, the LoRA adapter needs %.0f MB (twice %.0f MB: written beside the previous one): "
+            "adapters are exchanged through %s on disk instead (slower). Give the container more shared memory "
+            "(docker run --shm-size=2g) to keep them in RAM.",
+            RAM_DIRECTORY,
+            free / 2**20,
+            2 * needed_bytes / 2**20,
+            needed_bytes / 2**20,
+            tempfile.gettempdir(),
+        )
+        root = None
     return tempfile.mkdtemp(prefix=prefix, dir=root)
 
 
@@ -128,7 +158,11 @@ class LoRAAdapterSync:
         self.config = model.peft_config[self.adapter]
         self.gather_params = gather_params  # context manager over a list of parameters (ZeRO-3 / FSDP gather)
         self.dtype = dtype
-        self.directory = ram_backed_directory(prefix=f"trlx_scale_lora_{os.getpid()}_")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        needed = sum(getattr(p, "ds_numel", p.numel()) for p in self.lora_parameters()) * itemsize  # ZeRO-3: full size
+        self.directory = ram_backed_directory(prefix=f"trlx_scale_lora_{os.getpid()}_", needed_bytes=needed)
+        # Removed when this object goes (or at exit): a run leaves nothing behind in /dev/shm.
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self.max_lora_rank = vllm_max_lora_rank(max([self.config.r, *(self.config.rank_pattern or {}).values()]))
 
     def lora_parameters(self) -> list[torch.nn.Parameter]:

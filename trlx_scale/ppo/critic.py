@@ -59,6 +59,9 @@ class SeparateCritic(nn.Module):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
+    def named_trainable_parameters(self) -> dict[str, nn.Parameter]:
+        return {name: p for name, p in self.named_parameters() if p.requires_grad}
+
 
 class SharedBaseCritic(nn.Module):
     """The policy's PEFT model with a second adapter, "critic", active while values are computed.
@@ -101,3 +104,26 @@ class SharedBaseCritic(nn.Module):
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return self.adapter_parameters() + list(self.head.parameters())
+
+    def named_trainable_parameters(self) -> dict[str, nn.Parameter]:
+        adapter = {f"adapter.{n}": p for n, p in self.peft_model.named_parameters() if f".{CRITIC_ADAPTER}." in n}
+        return {**adapter, **{f"head.{n}": p for n, p in self.head.named_parameters()}}
+
+
+def critic_state(critic: SeparateCritic | SharedBaseCritic) -> dict[str, torch.Tensor]:
+    """The critic's trained tensors (value head included), by name: what a checkpoint must hold to resume it."""
+    return {name: p.detach().cpu().clone() for name, p in critic.named_trainable_parameters().items()}
+
+
+@torch.no_grad()
+def load_critic_state(critic: SeparateCritic | SharedBaseCritic, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``critic_state``'s tensors back in place (the critic optimizer keeps pointing at the same tensors)."""
+    params = critic.named_trainable_parameters()
+    if set(params) != set(state):
+        missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+        raise ValueError(
+            f"The checkpoint's critic does not match this critic (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}): resume with the critic_mode and critic_use_peft it was saved with."
+        )
+    for name, param in params.items():
+        param.copy_(state[name])

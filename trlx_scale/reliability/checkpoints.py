@@ -123,6 +123,8 @@ class AtomicCheckpointMixin:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
+        if not self.args.save_only_model:
+            self._save_extra_state(path)
         self.accelerator.wait_for_everyone()  # every rank's part of the checkpoint is written
         if self.args.should_save:
             mark_checkpoint_complete(path, self.state.global_step)
@@ -132,3 +134,15 @@ class AtomicCheckpointMixin:
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
+
+    def _save_extra_state(self, checkpoint_dir: str) -> None:
+        """Seam: trainer state transformers does not save (GRPO's rollout buffer, PPO's critic), written on every
+        rank before the completion marker."""
+
+    def _load_extra_state(self, checkpoint_dir: str) -> None:
+        """Seam: read back what ``_save_extra_state`` wrote, on every rank, when a run resumes."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:  # resuming (transformers calls this once the optimizer exists)
+            self._load_extra_state(checkpoint)

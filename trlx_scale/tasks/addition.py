@@ -72,6 +72,11 @@ def addition_dataset(split: str = "train", size: int | None = None, conversation
     if size is not None:
         if size <= 0:
             raise ValueError(f"size must be a positive number of problems, got {size}.")
+        if size > len(problems):
+            raise ValueError(
+                f"size={size} asks for more problems than the {split!r} split has ({len(problems)}); ask for at most "
+                f"{len(problems)} (--train_size / --eval_size in the examples)."
+            )
         problems = problems[:size]
     return Dataset.from_dict(_to_rows(problems, conversational))
 

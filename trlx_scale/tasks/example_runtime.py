@@ -92,13 +92,29 @@ def load_prompt_task(script_args: TaskScriptArguments, seed: int):
     if script_args.dataset_test_split in dataset:
         held_out = dataset[script_args.dataset_test_split]
     else:
+        if script_args.eval_size >= len(train):
+            raise ValueError(
+                f"--eval_size={script_args.eval_size} would take every row of the {len(train)}-row train split for "
+                "evaluation (the dataset has no test split): lower --eval_size."
+            )
         split = train.train_test_split(test_size=max(script_args.eval_size, 1), seed=seed)
         train, held_out = split["train"], split["test"]
+    check_split_size("--train_size", script_args.train_size, len(train), script_args.dataset_train_split)
+    check_split_size("--eval_size", script_args.eval_size or None, len(held_out), "held-out")
     if script_args.train_size is not None:
-        train = train.select(range(min(script_args.train_size, len(train))))
+        train = train.select(range(script_args.train_size))
     if script_args.eval_size:
-        held_out = held_out.select(range(min(script_args.eval_size, len(held_out))))
+        held_out = held_out.select(range(script_args.eval_size))
     return train, held_out
+
+
+def check_split_size(flag: str, asked: int | None, available: int, split: str) -> None:
+    """A size larger than the split would silently train or evaluate on fewer rows than the summary claims."""
+    if asked is not None and asked > available:
+        raise ValueError(
+            f"{flag}={asked} asks for more rows than the {split} split has ({available}); pass {flag} {available} "
+            "or less."
+        )
 
 
 def held_out_accuracy(trainer, held_out, answer_column: str, max_new_tokens: int) -> float | None:

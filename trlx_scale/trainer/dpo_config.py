@@ -90,6 +90,15 @@ class DPOConfig(ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, R
                 f"online_num_generations must be at least 2 to form a (chosen, rejected) pair, got "
                 f"{self.online_num_generations}."
             )
+        if self.online and not self.online_temperature > 0:
+            raise ValueError(
+                f"online_temperature must be positive (sampling temperature of the online completions; 1.0 samples the "
+                f"policy as it is), got {self.online_temperature}."
+            )
+        if self.online and self.online_max_completion_length < 1:
+            raise ValueError(
+                f"online_max_completion_length must be at least 1 token, got {self.online_max_completion_length}."
+            )
         if self.online and self.vllm_ref_log_probs:
             raise ValueError(
                 "vllm_ref_log_probs precomputes reference log-probs of a fixed dataset, but online=True generates "

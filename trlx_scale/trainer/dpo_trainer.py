@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -29,6 +31,7 @@ from trl import DPOTrainer as TRLDPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
+from ..atomic_files import write_text_atomically
 from ..compat.vllm_cpu_lora_scoring import scoring_sync_mode
 from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
@@ -36,6 +39,7 @@ from ..generation.weight_sync import is_peft_model
 from ..planning.trainer_memory import PlannedMemoryMixin
 from ..profiling.trainer_profiling import PhaseProfilerMixin
 from ..reliability.checkpoints import AtomicCheckpointMixin
+from ..reliability.input_checks import check_train_dataset
 from ..reliability.nonfinite_guard import NonFiniteGuardMixin
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from .dpo_config import DPOConfig
@@ -99,6 +103,7 @@ class DPOTrainer(
         peft_config: PeftConfig | None = None,
         reward_funcs: Callable | list[Callable] | None = None,
     ):
+        check_train_dataset(train_dataset)
         ours = isinstance(args, DPOConfig)
         self._online = ours and args.online
         self._vllm_ref = ours and args.vllm_ref_log_probs
@@ -293,6 +298,22 @@ class DPOTrainer(
                 self._count_logprob_pass(inputs["attention_mask"], training=False)
         return super()._compute_loss(model, inputs, return_outputs)
 
+    def _save_extra_state(self, checkpoint_dir: str) -> None:
+        # TRL counts the trained tokens (the logged num_tokens) in an attribute no checkpoint holds.
+        super()._save_extra_state(checkpoint_dir)
+        if self.args.should_save:
+            write_text_atomically(
+                os.path.join(checkpoint_dir, DPO_STATE_NAME),
+                json.dumps({"total_train_tokens": self._total_train_tokens}),
+            )
+
+    def _load_extra_state(self, checkpoint_dir: str) -> None:
+        super()._load_extra_state(checkpoint_dir)
+        path = os.path.join(checkpoint_dir, DPO_STATE_NAME)
+        if os.path.isfile(path):
+            with open(path) as handle:
+                self._total_train_tokens = json.load(handle)["total_train_tokens"]
+
     def _online_round(self, examples: list[dict[str, Any]]) -> list[dict[str, list[int]]]:
         """Sample, score and pair one batch of prompts with the current policy."""
         args = self.args
@@ -303,6 +324,7 @@ class DPOTrainer(
         group = args.online_num_generations
         prompt_ids = [example["prompt_ids"] for example in examples]
         repeated = [ids for ids in prompt_ids for _ in range(group)]
+        engine.set_rollout_seed(self.args.seed, self.state.global_step)
         with self.phase_timer.phase("generation"):
             _, completion_ids, _, _ = engine.generate(prompts=repeated, images=None, num_generations=group)
         self._count_generation(repeated, completion_ids)
@@ -328,6 +350,9 @@ class DPOTrainer(
         for key, value in {**stats, **engine.pop_metrics()}.items():
             self._metrics[mode][key if "/" in key else f"online/{key}"].append(value)
         return pairs
+
+
+DPO_STATE_NAME = "dpo_state.json"
 
 
 def _keep_examples(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:

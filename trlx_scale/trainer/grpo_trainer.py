@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from ..planning.trainer_memory import PlannedMemoryMixin
 from ..prefix.shared_prefix import shared_prefix_logps, shared_token_ratio, unsupported_reason
 from ..profiling.trainer_profiling import PhaseProfilerMixin
 from ..reliability.checkpoints import AtomicCheckpointMixin
+from ..reliability.input_checks import check_train_dataset
 from ..reliability.nonfinite_guard import NonFiniteGuardMixin
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from .grpo_config import GRPOConfig
@@ -44,6 +46,28 @@ if TYPE_CHECKING:
     )
 
 logger = logging.get_logger(__name__)
+
+ROLLOUT_STATE_NAME = "rollout_state_rank{}.pt"
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(item) for item in value)
+    return value
+
+
+def _to_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(item, device) for item in value)
+    return value
 
 
 class GRPOTrainer(
@@ -94,6 +118,7 @@ class GRPOTrainer(
             args = copy.copy(args)
             args.use_vllm = False
         self._loss_pass_inputs = None  # the batch of the loss pass in progress (see _compute_loss)
+        check_train_dataset(train_dataset)
         # Each synchronous reward function reports its failures on every rank (trlx_scale.reliability).
         reward_funcs = guard_reward_functions(reward_funcs, option(args, GRPOConfig, "reward_errors"))
         super().__init__(
@@ -362,6 +387,26 @@ class GRPOTrainer(
             generation_kwargs=args.generation_kwargs,
         )
 
+    # ------------------------------------------------------------------ checkpoints: the rollout in progress
+
+    def _save_extra_state(self, checkpoint_dir: str) -> None:
+        """TRL restarts its micro-step counter at 0 and drops the rollout buffer on resume: a checkpoint taken in the
+        middle of a rollout's mini-batches (steps_per_generation or num_iterations > 1) would then regenerate early
+        and shift every later rollout. Each rank saves both (its buffer is its own)."""
+        super()._save_extra_state(checkpoint_dir)
+        state = {"step": self._step, "buffered_inputs": _to_cpu(self._buffered_inputs)}
+        torch.save(state, os.path.join(checkpoint_dir, ROLLOUT_STATE_NAME.format(self.accelerator.process_index)))
+
+    def _load_extra_state(self, checkpoint_dir: str) -> None:
+        super()._load_extra_state(checkpoint_dir)
+        path = os.path.join(checkpoint_dir, ROLLOUT_STATE_NAME.format(self.accelerator.process_index))
+        if not os.path.isfile(path):
+            logger.warning("%s is missing: the first rollout after resuming is generated afresh.", path)
+            return
+        state = torch.load(path, map_location="cpu", weights_only=False)  # our own file: tensors and lists
+        self._step = int(state["step"])
+        self._buffered_inputs = _to_device(state["buffered_inputs"], self.accelerator.device)
+
     def _planner_extra_roles(self) -> dict:
         return {"reference": self.beta != 0.0}  # TRL builds a reference model only for a KL term
 
@@ -371,6 +416,10 @@ class GRPOTrainer(
             if option(self.args, GRPOConfig, "offload_optimizer_during_generation") and self.optimizer is not None:
                 offloader = OptimizerStateOffloader(self.optimizer)
                 offloaded = offloader.offload()
+            engine = getattr(self, "vllm_generation", None)
+            if isinstance(engine, ColocatedVLLMGeneration):
+                mode = "train" if self.model.training else "eval"
+                engine.set_rollout_seed(self.args.seed, self.state.global_step, mode)
             try:
                 result = super()._generate_single_turn(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images

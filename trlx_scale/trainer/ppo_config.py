@@ -107,3 +107,16 @@ class PPOConfig(GRPOConfig):
             raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
         if self.kl_target <= 0 or self.kl_horizon <= 0:
             raise ValueError("kl_target and kl_horizon must be positive.")
+        if self.kl_coef < 0:
+            raise ValueError(
+                f"kl_coef must be >= 0 (a negative KL penalty rewards drifting from the reference), got {self.kl_coef}."
+            )
+        for name, hint in (
+            ("vf_coef", "the value loss' weight; 0 would never train the critic"),
+            ("cliprange_value", "the value clipping range, e.g. 0.2"),
+            ("critic_learning_rate", "unset it to take the ppo_critic preset's"),
+            ("target_kl", "unset it to never stop early"),
+        ):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be a positive number ({hint}), got {value}.")

@@ -20,6 +20,7 @@ functions and/or sequence-classification models).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +31,7 @@ from ..generation.weight_sync import is_peft_model
 from ..losses.value_loss import clipped_value_loss
 from ..optim.presets import get_preset
 from ..ppo.advantages import gae, kl_penalty_rewards, masked_whiten, per_token_kl
-from ..ppo.critic import SeparateCritic, SharedBaseCritic
+from ..ppo.critic import SeparateCritic, SharedBaseCritic, critic_state, load_critic_state
 from ..ppo.kl_controller import AdaptiveKLController, FixedKLController
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
@@ -170,6 +171,13 @@ class PPOTrainer(GRPOTrainer):
         start = self.accelerator.process_index * rows
         weights = self.reward_weights.to(rewards_per_func.device)
         scores = (rewards_per_func * weights).nansum(dim=1)[start : start + rows]
+        # A row no reward function scored (every one returned None / NaN, e.g. reward_errors="skip") has no score:
+        # nansum would make it 0 and train towards it. Its completion is masked out of the policy and value losses.
+        unscored = torch.isnan(rewards_per_func).all(dim=1)[start : start + rows]
+        if unscored.any():
+            output["completion_mask"] = output["completion_mask"] * (~unscored).unsqueeze(1).to(
+                output["completion_mask"].dtype
+            )
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         mask = output["completion_mask"].float()
@@ -207,6 +215,7 @@ class PPOTrainer(GRPOTrainer):
             "ppo/advantages_mean": (raw_advantages * mask).sum() / count,
             "ppo/values_mean": (values * mask).sum() / count,
             "ppo/explained_variance": explained,
+            "ppo/unscored_rows": unscored.float().sum(),
         }
         for key, value in metrics.items():
             self._metrics[mode][key].append(self.accelerator.gather(value.float().reshape(1)).mean().item())
@@ -288,6 +297,48 @@ class PPOTrainer(GRPOTrainer):
         torch.nn.utils.clip_grad_norm_(params, get_preset("ppo_critic").max_grad_norm)
         self.critic_optimizer.step()
         self.critic_optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ checkpoints: the critic and the KL controller
+
+    def _save_extra_state(self, checkpoint_dir: str) -> None:
+        super()._save_extra_state(checkpoint_dir)
+        if self.args.should_save:  # the critic is replicated: rank 0's copy is everyone's
+            state = {
+                "critic": critic_state(self.critic),
+                "critic_optimizer": self.critic_optimizer.state_dict(),
+                "kl_coef": self.kl_controller.value,
+            }
+            torch.save(state, os.path.join(checkpoint_dir, PPO_STATE_NAME))
+
+    def _load_extra_state(self, checkpoint_dir: str) -> None:
+        super()._load_extra_state(checkpoint_dir)
+        path = os.path.join(checkpoint_dir, PPO_STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{checkpoint_dir} has no {PPO_STATE_NAME} (the critic, its optimizer and the KL coefficient): it was "
+                "not written by trlx_scale's PPOTrainer, whose runs cannot resume without their critic."
+            )
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        load_critic_state(self.critic, state["critic"])
+        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        self.kl_controller.value = float(state["kl_coef"])
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not isinstance(self.critic, SharedBaseCritic):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # PEFT saves the "critic" adapter to a subfolder, and transformers then loads the subfolders only: the
+        # policy adapter (the checkpoint's root files) would not be restored. Loaded here; the critic adapter comes
+        # from PPO_STATE_NAME (_load_extra_state).
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path = os.path.join(resume_from_checkpoint, "adapter_model.safetensors")
+        result = set_peft_model_state_dict(self._policy(), load_file(path), adapter_name=self.critic.policy_adapter)
+        if result.unexpected_keys:
+            raise ValueError(f"{path} holds tensors this policy lacks: {result.unexpected_keys[:3]}")
+
+
+PPO_STATE_NAME = "ppo_state.pt"
 
 
 class _StepCriticWithPolicy(TrainerCallback):

@@ -117,6 +117,15 @@ class ColocatedEngineFields:
             "choices": list(SLEEP_LEVELS),
         },
     )
+    vllm_per_request_seed: bool = field(
+        default=True,
+        metadata={
+            "help": "Give every vLLM request its own seed, derived from (seed, data-parallel rank, step, prompt), so "
+            "that a step's rollouts do not depend on what the engine sampled before: a run resumed from a checkpoint "
+            "then samples exactly what the uninterrupted run did. False: vLLM's engine-wide generator (TRL's "
+            "behaviour)."
+        },
+    )
     vllm_sync_bucket_mb: float = field(
         default=256.0,
         metadata={"help": "A full weight sync gathers (ZeRO-3/FSDP) and pushes this many MB of parameters at a time."},
@@ -152,6 +161,7 @@ class ColocatedEngineFields:
             sync_mode=self.vllm_sync_mode,
             sleep_level=self.vllm_sleep_level,
             sync_bucket_mb=self.vllm_sync_bucket_mb,
+            per_request_seed=self.vllm_per_request_seed,
         )
 
 

@@ -1,0 +1,38 @@
+"""Input checks that need the data or the engine, not just the config: run before the first step, or at the first
+batch that reveals the problem (a dataset is never scanned ahead: it may be streamed or huge)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def check_train_dataset(dataset: Any, field: str = "train_dataset") -> None:
+    """An empty dataset would end training at step 0 with a bare message (or divide by zero in the schedule)."""
+    if dataset is None:
+        return
+    try:
+        rows = len(dataset)
+    except TypeError:  # an IterableDataset has no length: nothing to check before streaming it
+        return
+    if rows == 0:
+        raise ValueError(
+            f"{field} is empty (0 rows). Check the dataset split and any filter applied to it (a --train_size of 0, "
+            "a length filter that dropped every row)."
+        )
+
+
+def check_prompts_fit_context(prompts: Sequence[Sequence[int]], max_completion_length: int, context: int) -> None:
+    """Each prompt plus the completion budget must fit the engine's context: vLLM refuses a longer prompt mid-run,
+    and a shorter margin cuts completions before max_completion_length, which the rewards then score as finished."""
+    if not prompts:
+        return
+    row, longest = max(enumerate(len(p) for p in prompts), key=lambda item: item[1])
+    if longest + max_completion_length > context:
+        raise ValueError(
+            f"A prompt of {longest} tokens (row {row} of this batch) plus max_completion_length="
+            f"{max_completion_length} exceeds the engine's context of {context} tokens (vllm_max_model_length). Raise "
+            f"vllm_max_model_length to at least {longest + max_completion_length} (within the model's "
+            "max_position_embeddings), drop or shorten long prompts (e.g. dataset.filter on the prompt's token "
+            "count), or lower max_completion_length."
+        )
