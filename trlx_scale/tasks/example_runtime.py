@@ -139,8 +139,8 @@ def finish_run(trainer, summary: RunSummary, output_dir: str, dataset_label: str
     trainer.save_model(output_dir)
     trainer.save_state()  # trainer_state.json: the log history that `trlx-scale report` reads
     if trainer.accelerator.is_main_process:
+        summary.write_json(os.path.join(output_dir, "run_summary.json"))  # first: the card quotes its accuracy
         trainer.create_model_card(dataset_name=dataset_label)  # README.md beside the weights, also offline
-        summary.write_json(os.path.join(output_dir, "run_summary.json"))
         print(summary.render(), flush=True)
         print(report_line(output_dir), flush=True)
     if push_to_hub:

@@ -6,11 +6,19 @@ from dataclasses import dataclass, field
 
 from trl import DPOConfig as TRLDPOConfig
 
-from .shared_fields import ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields
+from .shared_fields import (
+    ColocatedEngineFields,
+    HubFields,
+    OptimizerPresetFields,
+    ProfilingFields,
+    ReliabilityFields,
+)
 
 
 @dataclass
-class DPOConfig(ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields, TRLDPOConfig):
+class DPOConfig(
+    ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields, HubFields, TRLDPOConfig
+):
     r"""
     Configuration for [`trlx_scale.DPOTrainer`]: every field of [`trl.DPOConfig`], same names, same defaults, same
     meaning, plus the fields below. While they keep their defaults the trainer behaves exactly like TRL's.
@@ -85,6 +93,7 @@ class DPOConfig(ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, R
         self.validate_engine_fields()
         self.validate_profiling_fields()
         self.validate_reliability_fields()
+        self.validate_hub_fields()
         if self.online and self.online_num_generations < 2:
             raise ValueError(
                 f"online_num_generations must be at least 2 to form a (chosen, rejected) pair, got "

@@ -36,6 +36,7 @@ from ..compat.vllm_cpu_lora_scoring import scoring_sync_mode
 from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.weight_sync import is_peft_model
+from ..hub.push import HubPushMixin
 from ..planning.trainer_memory import PlannedMemoryMixin
 from ..profiling.trainer_profiling import PhaseProfilerMixin
 from ..reliability.checkpoints import AtomicCheckpointMixin
@@ -69,6 +70,7 @@ class DPOTrainer(
     PhaseProfilerMixin,
     NonFiniteGuardMixin,
     AtomicCheckpointMixin,
+    HubPushMixin,
     PlannedMemoryMixin,
     MasterWeightsMixin,
     TRLDPOTrainer,

@@ -8,11 +8,19 @@ from trl import GRPOConfig as TRLGRPOConfig
 
 from ..losses.policy_losses import LEVELS
 from ..losses.recipes import LENGTH_WEIGHTED_LOSSES, RECIPES, apply_recipe
-from .shared_fields import ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields
+from .shared_fields import (
+    ColocatedEngineFields,
+    HubFields,
+    OptimizerPresetFields,
+    ProfilingFields,
+    ReliabilityFields,
+)
 
 
 @dataclass
-class GRPOConfig(ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields, TRLGRPOConfig):
+class GRPOConfig(
+    ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields, HubFields, TRLGRPOConfig
+):
     r"""
     Configuration for [`trlx_scale.GRPOTrainer`]: every field of [`trl.GRPOConfig`], same names, same defaults, same
     meaning, plus the fields below. While they keep their defaults the trainer behaves exactly like TRL's.
@@ -66,6 +74,7 @@ class GRPOConfig(ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, 
         self.validate_engine_fields()
         self.validate_profiling_fields()
         self.validate_reliability_fields()
+        self.validate_hub_fields()
         if self.importance_sampling_level not in LEVELS:
             raise ValueError(
                 f"importance_sampling_level must be one of {LEVELS}, got {self.importance_sampling_level!r}."

@@ -21,6 +21,7 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.weight_sync import is_peft_model
+from ..hub.push import HubPushMixin
 from ..losses.policy_losses import log_importance_weights
 from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..planning.trainer_memory import PlannedMemoryMixin
@@ -74,6 +75,7 @@ class GRPOTrainer(
     PhaseProfilerMixin,
     NonFiniteGuardMixin,
     AtomicCheckpointMixin,
+    HubPushMixin,
     PlannedMemoryMixin,
     MasterWeightsMixin,
     TRLGRPOTrainer,

@@ -46,6 +46,19 @@ class PPOTrainer(GRPOTrainer):
     """Proximal Policy Optimization with a critic, GAE and a KL-penalized reward (see the module docstring)."""
 
     _tag_names = ["trl", "ppo", "trlx-scale"]
+    # The model card's trainer and paper (TRL's card reads these; GRPO's would name GRPO and DeepSeekMath).
+    _name = "PPO"
+    _paper = {
+        "title": "Proximal Policy Optimization Algorithms",
+        "id": "1707.06347",
+        "citation": """\
+@article{schulman2017proximal,
+    title        = {{Proximal Policy Optimization Algorithms}},
+    author       = {John Schulman and Filip Wolski and Prafulla Dhariwal and Alec Radford and Oleg Klimov},
+    year         = 2017,
+    eprint       = {arXiv:1707.06347}
+}""",
+    }
 
     def __init__(
         self,

@@ -227,3 +227,33 @@ class ReliabilityFields:
                 f"reward_errors must be one of {REWARD_ERROR_MODES} ('raise' stops the run, 'skip' scores the sample "
                 f"NaN), got {self.reward_errors!r}."
             )
+
+
+@dataclass
+class HubFields:
+    """How a run goes to the Hugging Face Hub (trlx_scale.hub): what is pushed, and how failures are retried."""
+
+    push_merged: bool = field(
+        default=False,
+        metadata={
+            "help": "Push the LoRA adapter merged into its base (a plain transformers model: config.json + "
+            "model.safetensors) instead of the adapter. Needs the whole model in one process (not DeepSpeed/FSDP)."
+        },
+    )
+    hub_push_retries: int = field(
+        default=3,
+        metadata={
+            "help": "Retries of a Hub upload that failed on the server's side (HTTP 5xx, 429, a dropped connection), "
+            "with exponential backoff; then an error saying the run is saved locally. Client errors are not retried."
+        },
+    )
+    hub_push_backoff_s: float = field(
+        default=2.0,
+        metadata={"help": "Seconds before the first retry of a failed Hub upload; doubled at each retry."},
+    )
+
+    def validate_hub_fields(self) -> None:
+        if not isinstance(self.hub_push_retries, int) or self.hub_push_retries < 0:
+            raise ValueError(f"hub_push_retries must be an integer >= 0, got {self.hub_push_retries!r}.")
+        if self.hub_push_backoff_s < 0:
+            raise ValueError(f"hub_push_backoff_s must be >= 0 seconds, got {self.hub_push_backoff_s}.")

@@ -1,0 +1,6 @@
+"""Pushing a run to the Hugging Face Hub: only this run's files, retried, with a model card that says what ran."""
+
+from .model_card import trlx_scale_card_section
+from .push import HubPushError, HubPushMixin
+
+__all__ = ["HubPushError", "HubPushMixin", "trlx_scale_card_section"]

@@ -1,0 +1,195 @@
+"""``push_to_hub`` that uploads only this run's files, retries server failures, and can push merged LoRA weights.
+
+transformers uploads the whole ``output_dir`` (leftovers of earlier runs included) in one attempt. Here the model is
+saved into a staging directory inside ``output_dir`` (``_hub_staging``, which transformers' own uploads ignore), with
+the model card, ``run_summary.json`` and the report beside it, and that directory is uploaded. Server errors (HTTP
+5xx, dropped connections) are retried ``hub_push_retries`` times with exponential backoff; then ``HubPushError``
+says that everything is still saved locally and how to upload it later. Client errors (401, 403, 404) are not
+retried: retrying cannot fix a token.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from transformers.utils import logging
+
+from .model_card import trlx_scale_card_section
+
+logger = logging.get_logger(__name__)
+
+STAGING_DIRECTORY = "_hub_staging"
+# Files of output_dir that go up beside the model (the card is written into the staging directory itself).
+RUN_FILES = ("run_summary.json",)
+RUN_DIRECTORIES = ("report",)
+T = TypeVar("T")
+
+
+class HubPushError(RuntimeError):
+    """The upload failed after its retries; the run's files are all still in ``output_dir``."""
+
+
+def hub_endpoint() -> str:
+    """``HF_ENDPOINT`` as set now (huggingface_hub reads it once, at import), else the library's endpoint."""
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+
+
+def _retryable(error: Exception) -> bool:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(error, HfHubHTTPError):
+        status = getattr(error.response, "status_code", None)
+        return status is None or status >= 500 or status == 429
+    return isinstance(error, (ConnectionError, TimeoutError)) or type(error).__module__.startswith("httpx")
+
+
+def with_retries(call: Callable[[], T], what: str, retries: int, backoff_s: float, sleep=time.sleep) -> T:
+    """``call()``, retried ``retries`` times on server/connection errors, waiting backoff_s, 2 x backoff_s, ..."""
+    for attempt in range(retries + 1):
+        try:
+            return call()
+        except Exception as error:  # noqa: BLE001 - classified just below
+            if not _retryable(error) or attempt == retries:
+                raise
+            delay = backoff_s * 2**attempt
+            logger.warning(
+                "%s failed (%s: %s); retry %d/%d in %.1f s.",
+                what,
+                type(error).__name__,
+                error,
+                attempt + 1,
+                retries,
+                delay,
+            )
+            sleep(delay)
+    raise AssertionError("unreachable")
+
+
+class HubPushMixin:
+    """Mixed into a trainer ahead of TRL's class. Reads ``push_merged``, ``hub_push_retries`` and
+    ``hub_push_backoff_s`` from the config (defaults when it is a plain TRL config)."""
+
+    def _hub_option(self, name: str, default: Any) -> Any:
+        return getattr(self.args, name, default)
+
+    def _hub_api(self):
+        from huggingface_hub import HfApi
+
+        return HfApi(endpoint=hub_endpoint(), token=self.args.hub_token)
+
+    def init_hf_repo(self, token: str | None = None) -> None:
+        if not self.is_world_process_zero():
+            return
+        name = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+        api = self._hub_api()
+        repo = with_retries(
+            lambda: api.create_repo(
+                name, token=token or self.args.hub_token, private=self.args.hub_private_repo, exist_ok=True
+            ),
+            f"creating the Hub repo {name}",
+            self._hub_option("hub_push_retries", 3),
+            self._hub_option("hub_push_backoff_s", 2.0),
+        )
+        self.hub_model_id = repo.repo_id
+        self.push_in_progress = None
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        # transformers' save_model also uploads when args.push_to_hub is set: a first, unretried upload of the whole
+        # output_dir before the run's summary and card exist, then push_to_hub uploads again. Here saving only
+        # saves; the upload is push_to_hub's, once (checkpoint uploads during training, hub_strategy, are unchanged).
+        super().save_model(output_dir, _internal_call=True)
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        super().create_model_card(*args, **kwargs)  # TRL's card: the trainer, its paper, the base model, the tags
+        if not self.is_world_process_zero():
+            return
+        path = os.path.join(self.args.output_dir, "README.md")
+        if os.path.isfile(path):
+            section = trlx_scale_card_section(self._name, self.args, self.state.log_history, self.state.global_step)
+            with open(path, "a") as handle:
+                handle.write("\n" + section)
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        **kwargs,
+    ):
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token)
+        staging = os.path.join(self.args.output_dir, STAGING_DIRECTORY)
+        if self.is_world_process_zero() and os.path.isdir(staging):
+            shutil.rmtree(staging)  # a previous push's leftovers
+        self.accelerator.wait_for_everyone()
+        self._save_for_hub(staging)  # every rank: a sharded model is gathered collectively
+        if not self.is_world_process_zero():
+            return None
+        kwargs.setdefault("model_name", (self.args.hub_model_id or self.args.output_dir).rstrip("/").split("/")[-1])
+        self.create_model_card(**kwargs)
+        self._stage_run_files(staging)
+        api = self._hub_api()
+        try:
+            info = with_retries(
+                lambda: api.upload_folder(
+                    repo_id=self.hub_model_id,
+                    folder_path=staging,
+                    commit_message=commit_message,
+                    token=token or self.args.hub_token,
+                    revision=revision or self.args.hub_revision,
+                ),
+                f"uploading to {self.hub_model_id}",
+                self._hub_option("hub_push_retries", 3),
+                self._hub_option("hub_push_backoff_s", 2.0),
+            )
+        except Exception as error:
+            raise HubPushError(
+                f"Pushing to the Hub repo {self.hub_model_id} failed ({type(error).__name__}: {error}). Nothing is "
+                f"lost: the model, its card and run_summary.json are in {self.args.output_dir} (the upload's exact "
+                f"content in {staging}). Upload it later with: hf upload {self.hub_model_id} {staging}"
+            ) from error
+        shutil.rmtree(staging, ignore_errors=True)
+        return info
+
+    def _save_for_hub(self, staging: str) -> None:
+        if not self._hub_option("push_merged", False):
+            self.save_model(staging, _internal_call=True)
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        if not hasattr(model, "merge_and_unload"):
+            raise ValueError(
+                "push_merged=True merges a LoRA adapter into its base, but this model has no adapter: "
+                "set push_merged=False (full weights are pushed as they are)."
+            )
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                "push_merged=True needs the whole model in one process; under DeepSpeed/FSDP push the "
+                "adapter (push_merged=False) and merge it where the base fits."
+            )
+        if self.is_world_process_zero():
+            # A copy is merged: the trainer's model keeps its adapter (training or evaluation may go on).
+            merged = copy.deepcopy(model).merge_and_unload()
+            merged.save_pretrained(staging)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(staging)
+            del merged
+
+    def _stage_run_files(self, staging: str) -> None:
+        shutil.copy2(os.path.join(self.args.output_dir, "README.md"), os.path.join(staging, "README.md"))
+        for name in RUN_FILES:
+            path = os.path.join(self.args.output_dir, name)
+            if os.path.isfile(path):
+                shutil.copy2(path, os.path.join(staging, name))
+        for name in RUN_DIRECTORIES:
+            path = os.path.join(self.args.output_dir, name)
+            if os.path.isdir(path):
+                shutil.copytree(path, os.path.join(staging, name), dirs_exist_ok=True)
