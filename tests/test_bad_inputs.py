@@ -35,6 +35,7 @@ CONFIG_CASES = {
     "peak_tflops": (GRPOConfig, {"peak_tflops": 0}, "peak_tflops must be a positive number"),
     "skip_limit": (GRPOConfig, {"max_consecutive_skipped_steps": -1}, "max_consecutive_skipped_steps must be an"),
     "reward_errors": (GRPOConfig, {"reward_errors": "ignore"}, "reward_errors must be one of"),
+    "hub_retries": (GRPOConfig, {"hub_push_retries": -1}, "hub_push_retries must be an integer >= 0"),
     "ppo_beta": (PPOConfig, {"beta": 0.1}, "Set beta=0 and use kl_coef"),
     "kl_estimator": (PPOConfig, {"kl_estimator": "k2"}, "kl_estimator must be 'k1' or 'k3'"),
     "critic_mode": (PPOConfig, {"critic_mode": "tied"}, "critic_mode must be 'separate' or 'shared_base'"),
@@ -66,6 +67,19 @@ def test_empty_train_dataset(default_model_dir, tmp_path):
         GRPOTrainer(default_model_dir, exact_match_reward, small_grpo_config(tmp_path), train_dataset=empty)
     with pytest.raises(ValueError, match=r"train_dataset is empty \(0 rows\)"):
         DPOTrainer(default_model_dir, args=small_dpo_config(tmp_path), train_dataset=empty)
+
+
+def test_fp32_masters_with_an_optimizer_of_ones_own(default_model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"fp32_master_weights builds its own optimizer .* drop one of the two"):
+        GRPOTrainer(
+            model,
+            exact_match_reward,
+            small_grpo_config(tmp_path, fp32_master_weights=True),
+            train_dataset=addition_dataset("train", size=8),
+            optimizers=(optimizer, None),
+        )
 
 
 def test_split_larger_than_available():

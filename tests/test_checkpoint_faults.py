@@ -35,22 +35,51 @@ def _command(output_dir, *extra, processes: int = 1, port: int = 29581) -> list[
     return [*launcher, "--master_port", str(port), SCRIPT, str(output_dir), *extra]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own, out of its process group)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_everything(process: subprocess.Popen) -> None:
+    """kill -9 the run: the launcher and every process it started."""
+    for pid in [process.pid, *_descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait(timeout=60)
+
+
 def _run_until_stalled_then_kill(command, output_dir, timeout: float = 300) -> None:
     """Start the run in its own process group, wait for its stall sentinel, then SIGKILL the whole group."""
-    process = subprocess.Popen(
-        command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    log = open(os.path.join(output_dir, "..", f"{os.path.basename(output_dir)}-killed-run.log"), "w")  # noqa: SIM115
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     sentinel = os.path.join(output_dir, "stalled")
     deadline = time.monotonic() + timeout
     while not os.path.exists(sentinel):
         if process.poll() is not None:
-            raise AssertionError(f"the run ended before stalling:\n{process.stdout.read().decode()[-4000:]}")
+            with open(log.name) as handle:
+                raise AssertionError(f"the run ended before stalling:\n{handle.read()[-4000:]}")
         if time.monotonic() > deadline:
-            os.killpg(process.pid, signal.SIGKILL)
+            _kill_everything(process)
             raise AssertionError("the run never reached its stall point")
         time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)  # kill -9, every process of the run
-    process.wait(timeout=60)
+    _kill_everything(process)
+    log.close()
     os.remove(sentinel)
 
 
@@ -92,6 +121,16 @@ def test_kill_during_generation_of_a_two_process_run_loses_at_most_one_save_inte
     assert result["resumed_from"] == _checkpoint(tmp_path, 2)
     assert result["trained_steps"] == [3, 4]  # lost: only step 3's rollout, less than one save interval
     assert is_complete_checkpoint(_checkpoint(tmp_path, 4))
+
+
+@pytest.mark.slow
+def test_kill_during_an_optimizer_step_resumes_from_the_last_checkpoint(tmp_path):
+    _run_until_stalled_then_kill(_command(tmp_path, "--stall", "optimizer:3"), tmp_path)
+    assert latest_complete_checkpoint(str(tmp_path)) == _checkpoint(tmp_path, 2)
+    assert not os.path.exists(_checkpoint(tmp_path, 3))
+    result = _resume(_command(tmp_path, "--resume"))
+    assert result["resumed_from"] == _checkpoint(tmp_path, 2)
+    assert result["trained_steps"] == [3, 4]
 
 
 def test_resume_refuses_a_torn_checkpoint_path_and_a_directory_with_none_complete(tmp_path):

@@ -220,3 +220,12 @@ def test_bad_config_is_refused(tmp_path, overrides, message):
 def test_shared_base_needs_a_lora_policy(default_model_dir, tmp_path):
     with pytest.raises(ValueError, match="critic_mode='shared_base' adds a critic adapter to a LoRA policy"):
         _trainer(default_model_dir, tmp_path, peft=False, critic_mode="shared_base")
+
+
+def test_policy_and_reference_follow_the_requested_dtype(default_model_dir, tmp_path):
+    """examples/ppo.py --dtype bfloat16 reaches the policy through model_init_kwargs; the frozen reference copy
+    follows the policy's dtype (the critic and its value head stay fp32: docs/ppo.md)."""
+    trainer = _trainer(default_model_dir, tmp_path, peft=False, model_init_kwargs={"dtype": "bfloat16"})
+    assert trainer.model.dtype == torch.bfloat16
+    assert trainer.ppo_ref_model.dtype == torch.bfloat16
+    assert trainer.critic.head.summary.weight.dtype == torch.float32

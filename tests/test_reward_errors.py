@@ -128,3 +128,27 @@ def test_a_reward_error_on_one_rank_stops_every_rank_with_the_same_message(tmp_p
         assert outcome["type"] == "RewardFunctionError"
         assert "rank 1: reward function 'picky_reward' raised KeyError: 'missing answer column'" in outcome["error"]
     assert outcomes[0]["error"] == outcomes[1]["error"]
+
+
+def test_ppo_masks_rows_no_reward_function_scored(default_model_dir, tmp_path):
+    """A row every reward function left unscored (None) is masked out of PPO's losses, not scored 0."""
+    from trlx_scale import PPOConfig, PPOTrainer
+
+    def half_unscored(completions, **kwargs):
+        return [None if index < len(completions) // 2 else float(index % 2) for index in range(len(completions))]
+
+    args = small_grpo_config(tmp_path, PPOConfig, max_steps=1, critic_learning_rate=1e-3)
+    trainer = PPOTrainer(default_model_dir, half_unscored, args, addition_dataset("train", size=16), peft_config=LORA)
+    captured = {}
+    score_rollout = trainer._score_rollout
+
+    def capture(output, rewards_per_func):
+        result = score_rollout(output, rewards_per_func)
+        captured["mask"] = result["completion_mask"].clone()
+        return result
+
+    trainer._score_rollout = capture
+    trainer.train()
+    assert logged(trainer, "ppo/unscored_rows") == [4.0]
+    assert captured["mask"][:4].sum() == 0 and captured["mask"][4:].sum() > 0
+    assert all(torch.isfinite(torch.tensor(v)) for v in logged(trainer, "loss"))

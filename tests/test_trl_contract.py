@@ -22,11 +22,14 @@ NEW_METHODS = {
         "_shared_prefix_enabled",
         "_shared_prefix_blocker",
         "_shared_prefix_logps",
+        "_all_ranks_can_share",
         "_planner_extra_roles",
         "_postprocess_loss_logps",
         "_score_rollout",
         "_is_reference_pass",
         "_logps_and_entropies_pass",
+        "_save_extra_state",
+        "_load_extra_state",
     },
     DPOTrainer: {
         "_reference_scoring",
@@ -36,6 +39,8 @@ NEW_METHODS = {
         "_planner_engine",
         "_planner_num_generations",
         "_planner_extra_roles",
+        "_save_extra_state",
+        "_load_extra_state",
     },
     PPOTrainer: {
         "_policy",
@@ -50,8 +55,13 @@ NEW_METHODS = {
         "_planner_extra_roles",
         "_postprocess_loss_logps",
         "_score_rollout",
+        "_save_extra_state",
+        "_load_extra_state",
+        "_extra_gradients_finite",
+        "_on_skipped_step",
     },
     ColocatedVLLMGeneration: {
+        "set_rollout_seed",
         "from_config",
         "_join_tensor_parallel_group",
         "_export_launcher_environment",
@@ -136,6 +146,33 @@ def test_overridden_methods_exist_upstream_with_the_same_signature():
                 continue
             assert hasattr(parent, name), f"{parent.__name__}.{name} disappeared upstream"
             assert _parameters(member) == _parameters(getattr(parent, name)), f"{name} changed signature"
+
+
+def test_reliability_and_hub_mixins_override_trainer_methods_that_still_exist():
+    """The guard, checkpoint and Hub mixins override these transformers.Trainer methods (and the guard's callback
+    listens to these events): each must still exist upstream with the parameters the mixin forwards."""
+    from transformers import Trainer, TrainerCallback
+
+    from trlx_scale.hub.push import HubPushMixin
+    from trlx_scale.reliability.checkpoints import AtomicCheckpointMixin
+    from trlx_scale.reliability.nonfinite_guard import NonFiniteGuardMixin
+
+    overrides = {
+        NonFiniteGuardMixin: ("training_step", "_get_grad_norm", "log"),
+        AtomicCheckpointMixin: ("train", "_save_checkpoint", "_load_optimizer_and_scheduler"),
+        HubPushMixin: ("push_to_hub", "init_hf_repo", "save_model", "create_model_card"),
+    }
+    for mixin, names in overrides.items():
+        for name in names:
+            assert hasattr(Trainer, name), f"Trainer.{name} disappeared upstream"
+            theirs = [p.name for p in inspect.signature(getattr(Trainer, name)).parameters.values()]
+            ours = [p.name for p in inspect.signature(getattr(mixin, name)).parameters.values()]
+            positional = [n for n in ours if n not in ("args", "kwargs")]
+            assert theirs[: len(positional)] == positional, f"{mixin.__name__}.{name}: {ours} vs {theirs}"
+    for event in ("on_pre_optimizer_step", "on_step_end"):
+        assert hasattr(TrainerCallback, event)
+    # transformers' save_model pushes unless _internal_call (the Hub mixin relies on the flag to save only).
+    assert "_internal_call" in inspect.signature(Trainer.save_model).parameters
 
 
 def test_phase_profiler_mixin_overrides_keep_trainer_signatures():

@@ -85,3 +85,33 @@ def test_a_skipped_sync_shows_as_a_large_gap(default_model_dir, tmp_path):
     gaps = _logged(trainer, "sync/logprob_gap_max")
     assert gaps[0] < 1e-3  # step 0: the engine still holds the initial weights, which are the policy's
     assert max(gaps[1:]) > 0.05, gaps
+
+
+def test_a_failed_generation_leaves_the_engine_ready_for_a_retry(default_model_dir, tmp_path):
+    """vLLM raising mid-rollout must not leave the lifecycle in GENERATING (a retry would then be refused)."""
+    from trlx_scale.generation.lifecycle import EngineState
+
+    trainer = _trainer(default_model_dir, tmp_path, peft_config=LORA, max_steps=1, vllm_enable_sleep_mode=True)
+    engine = trainer.vllm_generation
+    inner = engine.llm.inner
+
+    class FailingOnce:
+        def __init__(self, llm):
+            self.llm, self.failed = llm, False
+
+        def __getattr__(self, name):
+            return getattr(self.llm, name)
+
+        def generate(self, *args, **kwargs):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("engine hiccup")
+            return self.llm.generate(*args, **kwargs)
+
+    engine.llm.inner = FailingOnce(inner)
+    with pytest.raises(RuntimeError, match="engine hiccup"):
+        trainer.train()
+    assert engine.lifecycle.state is not EngineState.GENERATING
+    trainer.train()  # the retry runs a whole step
+    assert trainer.state.global_step == 1
+    engine.llm.inner = inner

@@ -5,6 +5,7 @@ python tests/scripts/interrupted_run.py OUTPUT_DIR [--stall save:N | --stall gen
 
 --stall save:N     the save of checkpoint-N stops after the model files, before the optimizer, RNG and trainer state
 --stall generate:N the rollout of step N stops inside generation
+--stall optimizer:N step N stops right before its optimizer step (gradients computed, weights not yet updated)
 The stall writes OUTPUT_DIR/stalled (the test waits for it) and sleeps until killed. The run prints one JSON line
 "RESULT {...}" at the end: the steps it trained and the checkpoint it resumed from.
 """
@@ -28,6 +29,14 @@ class _RecordSteps(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append(state.global_step)
+
+
+class _StallBeforeOptimizerStep(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._stall_here("optimizer", state.global_step + 1)
 
 
 class StallingGRPOTrainer(GRPOTrainer):
@@ -82,6 +91,7 @@ def main() -> None:
     )
     trainer.steps_trained_here = []
     trainer.add_callback(_RecordSteps(trainer.steps_trained_here))
+    trainer.add_callback(_StallBeforeOptimizerStep(trainer))
     if cli.stall:
         where, step = cli.stall.split(":")
         trainer.stall = (where, int(step))

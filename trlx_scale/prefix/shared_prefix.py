@@ -134,6 +134,19 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def can_share_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> bool:
+    """Whether the shared pass has anything to share in this chunk: a prompt of 2+ columns that two rows repeat.
+
+    Under sharded parameters (ZeRO-3, FSDP) every rank must run the same forwards, so the trainer takes the shared
+    pass for a chunk only when this holds on every rank (one all-reduce per chunk)."""
+    prompt_length = input_ids.size(1) - logits_to_keep
+    if prompt_length < 2:
+        return False
+    split = prompt_length - 1
+    groups = find_prompt_groups(input_ids[:, :split], attention_mask[:, :split])
+    return groups.num_groups < input_ids.size(0)
+
+
 def shared_prefix_logps(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -150,14 +163,11 @@ def shared_prefix_logps(
     a prefix (or the prompt has a single column): then there is nothing to save and the caller runs the plain pass.
     """
     inner_model = model if inner_model is None else inner_model
-    prompt_length = input_ids.size(1) - logits_to_keep
-    if prompt_length < 2:
+    if not can_share_prefix(input_ids, attention_mask, logits_to_keep):
         return None
-    split = prompt_length - 1  # the prompt's last token goes with the completion: it predicts the first token
+    split = input_ids.size(1) - logits_to_keep - 1  # the prompt's last token goes with the completion
     prefix_ids, prefix_mask = input_ids[:, :split], attention_mask[:, :split]
     groups = find_prompt_groups(prefix_ids, prefix_mask)
-    if groups.num_groups == input_ids.size(0):
-        return None
 
     capture = Cache(layers=[_CaptureLayer() for _ in range(num_decoder_layers(inner_model))])
     with keep_cache_under_checkpointing(inner_model):

@@ -25,7 +25,7 @@ from ..hub.push import HubPushMixin
 from ..losses.policy_losses import log_importance_weights
 from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..planning.trainer_memory import PlannedMemoryMixin
-from ..prefix.shared_prefix import shared_prefix_logps, shared_token_ratio, unsupported_reason
+from ..prefix.shared_prefix import can_share_prefix, shared_prefix_logps, shared_token_ratio, unsupported_reason
 from ..profiling.trainer_profiling import PhaseProfilerMixin
 from ..reliability.checkpoints import AtomicCheckpointMixin
 from ..reliability.input_checks import check_train_dataset
@@ -319,13 +319,18 @@ class GRPOTrainer(
     def _shared_prefix_blocker(self, model, auto: bool) -> str | None:
         if getattr(self.args, "use_liger_kernel", False):
             return "use_liger_kernel computes the loss in a fused kernel from the full rows' hidden states"
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            # Sharded parameters are gathered by collectives inside every forward, so all ranks must run the same
-            # forwards; whether a chunk has a repeated prompt (shared pass: two forwards) differs between ranks.
-            return "parameters are sharded (DeepSpeed/FSDP), where every rank must run the same forward passes"
         if auto and self.num_generations == 1:
             return "num_generations=1, so no prompt is repeated in a batch"
         return unsupported_reason(self.accelerator.unwrap_model(model))
+
+    def _all_ranks_can_share(self, local: bool) -> bool:
+        """Under sharded parameters every rank must run the same forwards (each gathers the weights with
+        collectives): the shared pass (two forwards) runs on a chunk only if every rank's chunk has a repeated
+        prompt. One MAX all-reduce of one number per chunk ("some rank cannot"); none without sharding."""
+        if not (self.is_deepspeed_enabled or self.is_fsdp_enabled) or self.accelerator.num_processes == 1:
+            return local
+        blocked = torch.tensor([0.0 if local else 1.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(blocked, reduction="max").item() == 0)
 
     def _shared_prefix_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
         """TRL's chunked pass, with each chunk's prompts shared; chunks without a repeated prompt take TRL's path."""
@@ -335,8 +340,10 @@ class GRPOTrainer(
         rows_tokens = processed_tokens = 0.0
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-            with self.accelerator.autocast():
-                shared = shared_prefix_logps(model, ids, mask, logits_to_keep, compute_entropy, inner_model=inner)
+            shared = None
+            if self._all_ranks_can_share(can_share_prefix(ids, mask, logits_to_keep)):
+                with self.accelerator.autocast():
+                    shared = shared_prefix_logps(model, ids, mask, logits_to_keep, compute_entropy, inner_model=inner)
             used = shared is not None
             if not used:
                 logps, entropies, _ = super()._get_per_token_logps_and_entropies(
