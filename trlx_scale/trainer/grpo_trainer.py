@@ -319,6 +319,18 @@ class GRPOTrainer(
     def _shared_prefix_blocker(self, model, auto: bool) -> str | None:
         if getattr(self.args, "use_liger_kernel", False):
             return "use_liger_kernel computes the loss in a fused kernel from the full rows' hidden states"
+        if self.is_fsdp_enabled:
+            return (
+                "FSDP is not yet verified with the shared pass (DeepSpeed ZeRO-3 is, without gradient checkpointing)"
+            )
+        if self.is_deepspeed_enabled and self.args.gradient_checkpointing:
+            # Measured (docs/shared_prefix.md): under ZeRO-3 with gradient checkpointing the shared pass's loss is
+            # exact but its gradients are not (GRPO example, 2 processes: grad norm 0.30 against 0.50); without
+            # checkpointing, or under DDP with it, they match the duplicated pass.
+            return (
+                "gradient checkpointing under DeepSpeed gives the shared pass wrong gradients (measured); set "
+                "gradient_checkpointing=False to use it under ZeRO-3"
+            )
         if auto and self.num_generations == 1:
             return "num_generations=1, so no prompt is repeated in a batch"
         return unsupported_reason(self.accelerator.unwrap_model(model))
