@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.utils import gather_object
 from datasets import Dataset, IterableDataset
 from tqdm.auto import tqdm
 from transformers import Trainer
@@ -45,6 +46,7 @@ from ..reliability.nonfinite_guard import NonFiniteGuardMixin
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from .dpo_config import DPOConfig
 from .master_weights_setup import MasterWeightsMixin
+from .online_pair_balance import balance_pairs, check_multi_process_online_loss
 from .preference_pairs import best_worst_pairs, completion_logprob_sums
 
 if TYPE_CHECKING:
@@ -144,6 +146,8 @@ class DPOTrainer(
             quantization_config=quantization_config,
             peft_config=peft_config,
         )
+        if self._online and self.accelerator.num_processes > 1:
+            check_multi_process_online_loss(list(self.loss_types), bool(args.use_weighting))
         if self._online:
             self._pair_collator = DataCollatorForPreference(
                 pad_token_id=self._tokenizer.pad_token_id,
@@ -282,6 +286,14 @@ class DPOTrainer(
         arguments = inspect.signature(Trainer.training_step).bind(self, *args, **kwargs).arguments
         model, examples = arguments["model"], arguments["inputs"]
         pairs = self._online_round(examples)
+        if self.accelerator.num_processes > 1:
+            # Equal numbers of pairs on every rank (TRL's loss gathers per-pair tensors); the loss is rescaled so
+            # the gradient stays the mean over the step's real pairs (online_pair_balance.py).
+            balanced = balance_pairs(
+                gather_object(pairs), self.accelerator.process_index, self.accelerator.num_processes
+            )
+            pairs, self._online_loss_scale = balanced.pairs, balanced.loss_scale
+            self._metrics["train"]["online/padding_pairs"].append(float(balanced.padding))
         if not pairs:
             # Every prompt's samples scored the same: no preference to learn. A zero loss still runs backward, so
             # data-parallel ranks stay in step.
@@ -291,14 +303,23 @@ class DPOTrainer(
             return loss.detach()
         arguments.pop("self")
         arguments["inputs"] = self._pair_collator(pairs)
-        return super().training_step(**arguments)
+        try:
+            return super().training_step(**arguments)
+        finally:
+            self._online_loss_scale = 1.0
 
     def _compute_loss(self, model, inputs, return_outputs):
         if torch.is_grad_enabled():  # a training pass: the policy's forward+backward, the reference's forward
             self._count_logprob_pass(inputs["attention_mask"], training=True)
             if not self.precompute_ref_logps:
                 self._count_logprob_pass(inputs["attention_mask"], training=False)
-        return super()._compute_loss(model, inputs, return_outputs)
+        result = super()._compute_loss(model, inputs, return_outputs)
+        scale = getattr(self, "_online_loss_scale", 1.0)
+        if scale == 1.0:
+            return result
+        if return_outputs:
+            return result[0] * scale, result[1]
+        return result * scale
 
     def _save_extra_state(self, checkpoint_dir: str) -> None:
         # TRL counts the trained tokens (the logged num_tokens) in an attribute no checkpoint holds.
