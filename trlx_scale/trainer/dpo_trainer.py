@@ -293,7 +293,7 @@ class DPOTrainer(
                 gather_object(pairs), self.accelerator.process_index, self.accelerator.num_processes
             )
             pairs, self._online_loss_scale = balanced.pairs, balanced.loss_scale
-            self._metrics["train"]["online/padding_pairs"].append(float(balanced.padding))
+            self._metrics["train"]["online/padding_pairs"].append(float(balanced.total_padding))
         if not pairs:
             # Every prompt's samples scored the same: no preference to learn. A zero loss still runs backward, so
             # data-parallel ranks stay in step.

@@ -26,6 +26,7 @@ class BalancedPairs:
     loss_scale: float  # W * m / P: makes the mean over ranks the mean over real pairs
     padding: int  # tie pairs on this rank
     total: int  # real pairs over all ranks
+    total_padding: int  # tie pairs over all ranks (the same number on every rank: what the logs show)
 
 
 def check_multi_process_online_loss(loss_types: list[str], use_weighting: bool) -> None:
@@ -47,7 +48,7 @@ def balance_pairs(all_pairs: list[dict], rank: int, world: int) -> BalancedPairs
     """This rank's share of ``all_pairs`` (every rank's pairs, in rank order), topped up with tie pairs."""
     total = len(all_pairs)
     if total == 0:
-        return BalancedPairs(pairs=[], loss_scale=1.0, padding=0, total=0)
+        return BalancedPairs(pairs=[], loss_scale=1.0, padding=0, total=0, total_padding=0)
     per_rank = math.ceil(total / world)
     mine = list(all_pairs[rank * per_rank : (rank + 1) * per_rank])
     template = mine[0] if mine else all_pairs[0]
@@ -62,4 +63,5 @@ def balance_pairs(all_pairs: list[dict], rank: int, world: int) -> BalancedPairs
         loss_scale=world * per_rank / total,
         padding=padding,
         total=total,
+        total_padding=world * per_rank - total,
     )
