@@ -70,17 +70,19 @@ def test_ppo_refuses_to_resume_without_its_critic(tmp_path):
     shutil.rmtree(tmp_path / "straight")
 
 
-def test_request_seeds_depend_on_seed_step_rank_prompt_and_occurrence_only():
+def test_request_seeds_depend_on_seed_step_mode_global_row_and_prompt_only():
     context = RolloutSeedContext(seed=1, rank=0, step=5)
     seed = request_seed(context, [3, 4, 5], 0)
     assert seed == request_seed(RolloutSeedContext(1, 0, 5), [3, 4, 5], 0)  # a function of its inputs alone
     assert 0 <= seed < 2**63
+    # The rank enters only through the global row (GroupedLLM: rank x rows + local row): rank 1's row 0 of 8 is
+    # global row 8, whatever the number of processes.
+    assert request_seed(RolloutSeedContext(1, 1, 5), [3, 4, 5], 8) == request_seed(context, [3, 4, 5], 8)
     others = {
         request_seed(RolloutSeedContext(2, 0, 5), [3, 4, 5], 0),
-        request_seed(RolloutSeedContext(1, 1, 5), [3, 4, 5], 0),
         request_seed(RolloutSeedContext(1, 0, 6), [3, 4, 5], 0),
         request_seed(RolloutSeedContext(1, 0, 5, "eval"), [3, 4, 5], 0),
         request_seed(context, [3, 4, 6], 0),
         request_seed(context, [3, 4, 5], 1),
     }
-    assert seed not in others and len(others) == 6
+    assert seed not in others and len(others) == 5

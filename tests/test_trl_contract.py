@@ -35,6 +35,7 @@ NEW_METHODS = {
         "_reference_scoring",
         "_colocated_engine",
         "_online_round",
+        "_global_round_stats",
         "_planner_algorithm",
         "_planner_engine",
         "_planner_num_generations",
@@ -58,6 +59,7 @@ NEW_METHODS = {
         "_save_extra_state",
         "_load_extra_state",
         "_extra_gradients_finite",
+        "_sum_across_ranks",
         "_on_skipped_step",
     },
     ColocatedVLLMGeneration: {

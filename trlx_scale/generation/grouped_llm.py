@@ -55,14 +55,13 @@ class GroupedLLM:
             [row["prompt_token_ids"] for row in prompts], [row.get("multi_modal_data") for row in prompts]
         )
         per_run = []
-        occurrences: dict[tuple, int] = {}
+        # Every data-parallel rank holds as many rows as the others: its rows start at rank x rows globally.
+        offset = self.seed_context.rank * len(prompts) if self.seed_context is not None else 0
         for first, count in runs:
             params = sampling_params.clone()
             params.n = count
             if self.seed_context is not None:
-                key = tuple(prompts[first]["prompt_token_ids"])
-                occurrences[key] = occurrences.get(key, -1) + 1
-                params.seed = request_seed(self.seed_context, key, occurrences[key])
+                params.seed = request_seed(self.seed_context, prompts[first]["prompt_token_ids"], offset + first)
             per_run.append(params)
         outputs = self.inner.generate(
             [prompts[first] for first, _ in runs],

@@ -6,6 +6,8 @@ tokens carry rewards, values and advantages; padded positions come out as zeros.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -59,13 +61,21 @@ def gae(
 
 
 def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    sum_across_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Normalize to zero mean and unit variance over the masked entries (unbiased variance); padding stays zero."""
+    """Normalize to zero mean and unit variance over the masked entries (unbiased variance); padding stays zero.
+
+    ``sum_across_ranks`` (an all-reduce SUM): the statistics are those of every rank's entries together, so that
+    2 processes x B/2 rows whiten as 1 process x B rows does."""
+    total = sum_across_ranks or (lambda tensor: tensor)
     mask = mask.to(values.dtype)
-    count = mask.sum()
-    mean = (values * mask).sum() / count
-    variance = (((values - mean) * mask) ** 2).sum() / (count - 1).clamp(min=1)
+    count = total(mask.sum())
+    mean = total((values * mask).sum()) / count
+    variance = total((((values - mean) * mask) ** 2).sum()) / (count - 1).clamp(min=1)
     whitened = (values - mean) * torch.rsqrt(variance + eps)
     if not shift_mean:
         whitened = whitened + mean

@@ -46,7 +46,7 @@ from ..reliability.nonfinite_guard import NonFiniteGuardMixin
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from .dpo_config import DPOConfig
 from .master_weights_setup import MasterWeightsMixin
-from .online_pair_balance import balance_pairs, check_multi_process_online_loss
+from .online_pair_balance import balance_pairs, check_multi_process_online_loss, tie_pair_loss
 from .preference_pairs import best_worst_pairs, completion_logprob_sums
 
 if TYPE_CHECKING:
@@ -293,6 +293,9 @@ class DPOTrainer(
                 gather_object(pairs), self.accelerator.process_index, self.accelerator.num_processes
             )
             pairs, self._online_loss_scale = balanced.pairs, balanced.loss_scale
+            world = self.accelerator.num_processes
+            tie = tie_pair_loss(list(self.loss_types), self.loss_weights, self.beta)
+            self._online_loss_offset = world * balanced.padding * tie / max(balanced.total, 1)
             self._metrics["train"]["online/padding_pairs"].append(float(balanced.total_padding))
         if not pairs:
             # Every prompt's samples scored the same: no preference to learn. A zero loss still runs backward, so
@@ -306,7 +309,7 @@ class DPOTrainer(
         try:
             return super().training_step(**arguments)
         finally:
-            self._online_loss_scale = 1.0
+            self._online_loss_scale, self._online_loss_offset = 1.0, 0.0
 
     def _compute_loss(self, model, inputs, return_outputs):
         if torch.is_grad_enabled():  # a training pass: the policy's forward+backward, the reference's forward
@@ -317,9 +320,10 @@ class DPOTrainer(
         scale = getattr(self, "_online_loss_scale", 1.0)
         if scale == 1.0:
             return result
+        offset = getattr(self, "_online_loss_offset", 0.0)  # the tie pairs' constant: no gradient, not logged
         if return_outputs:
-            return result[0] * scale, result[1]
-        return result * scale
+            return result[0] * scale - offset, result[1]
+        return result * scale - offset
 
     def _save_extra_state(self, checkpoint_dir: str) -> None:
         # TRL counts the trained tokens (the logged num_tokens) in an attribute no checkpoint holds.
@@ -336,6 +340,23 @@ class DPOTrainer(
         if os.path.isfile(path):
             with open(path) as handle:
                 self._total_train_tokens = json.load(handle)["total_train_tokens"]
+
+    def _global_round_stats(self, stats: dict[str, float], pairs: int) -> dict[str, float]:
+        """The round's statistics over every rank (each rank has as many prompts and samples as the others): means
+        of the rank means, and the reward gap averaged over all pairs."""
+        if self.accelerator.num_processes == 1:
+            return stats
+        local = torch.tensor(
+            [stats["reward_mean"], stats["pair_fraction"], stats["reward_gap"] * pairs, float(pairs)],
+            device=self.accelerator.device,
+        )
+        reward_mean, pair_fraction, gap_sum, total = self.accelerator.reduce(local, reduction="sum").tolist()
+        world = self.accelerator.num_processes
+        return {
+            "reward_mean": reward_mean / world,
+            "pair_fraction": pair_fraction / world,
+            "reward_gap": gap_sum / total if total else 0.0,
+        }
 
     def _online_round(self, examples: list[dict[str, Any]]) -> list[dict[str, list[int]]]:
         """Sample, score and pair one batch of prompts with the current policy."""
@@ -369,6 +390,7 @@ class DPOTrainer(
         if skipped or self.args.reward_errors == "skip":
             self._metrics["train"]["reliability/reward_errors"].append(float(skipped))
         pairs, stats = best_worst_pairs(prompt_ids, completion_ids, rewards.view(len(examples), group))
+        stats = self._global_round_stats(stats, len(pairs))
         mode = "train"
         for key, value in {**stats, **engine.pop_metrics()}.items():
             self._metrics[mode][key if "/" in key else f"online/{key}"].append(value)

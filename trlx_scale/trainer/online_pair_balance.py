@@ -8,7 +8,8 @@ in rank order, and the last ranks are topped up with *tie pairs*: a real pair's 
 rejected. A tie pair's chosen and rejected rows are the same tokens, so their scores are equal as functions of the
 weights: the pair adds a constant to the loss and nothing to the gradient, for every loss TRL computes from the
 chosen-rejected difference (``TIE_SAFE_LOSS_TYPES``). Each rank's loss is then scaled by ``W * m / P`` (m rows per
-rank, P real pairs in all) so that DDP's (or ZeRO's) average of the ranks' means is the mean over the P real pairs.
+rank, P real pairs in all) so that DDP's (or ZeRO's) average of the ranks' means is the mean over the P real pairs,
+and the tie pairs' constant (``tie_pair_loss``) is subtracted so that the logged loss is that mean too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ class BalancedPairs:
     padding: int  # tie pairs on this rank
     total: int  # real pairs over all ranks
     total_padding: int  # tie pairs over all ranks (the same number on every rank: what the logs show)
+
+
+def tie_pair_loss(loss_types: list[str], loss_weights: list[float] | None, beta: float) -> float:
+    """The loss TRL gives a tie pair (score difference 0): subtracted from the logged loss, which then equals the
+    mean over real pairs. A constant, so the gradient is unchanged."""
+    per_type = {"sigmoid": math.log(2.0), "hinge": 1.0, "ipo": (1.0 / (2.0 * beta)) ** 2}
+    weights = loss_weights or [1.0] * len(loss_types)
+    return sum(weight * per_type[loss_type] for loss_type, weight in zip(loss_types, weights, strict=True))
 
 
 def check_multi_process_online_loss(loss_types: list[str], use_weighting: bool) -> None:

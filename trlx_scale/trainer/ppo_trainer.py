@@ -210,8 +210,8 @@ class PPOTrainer(GRPOTrainer):
         rewards = kl_penalty_rewards(scores.to(kl.dtype), kl, self.kl_controller.value, mask)
         advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
         raw_advantages = advantages
-        if args.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
+        if args.whiten_advantages:  # over every rank's tokens: the same on 2 x B/2 rows as on 1 x B
+            advantages = masked_whiten(advantages, mask, sum_across_ranks=self._sum_across_ranks)
         output["advantages"], output["returns"], output["old_values"] = advantages, returns, values
 
         # Controller update on the mean per-sequence KL of every process's rollouts.
@@ -270,7 +270,14 @@ class PPOTrainer(GRPOTrainer):
             values, inputs["old_values"], inputs["returns"], mask, self.args.cliprange_value
         )
         count = mask.sum().clamp(min=1)
+        # The value loss is a mean over every rank's tokens (DDP then averages the ranks' gradients), not a mean of
+        # the ranks' means: the same on 2 x B/2 rows as on 1 x B.
+        global_count = self._sum_across_ranks(mask.sum()).clamp(min=1)
+        to_global = count * self.accelerator.num_processes / global_count  # local mean -> share of the global one
+        value_loss_for_gradient = value_loss * to_global
         approx_kl = 0.5 * (((current_logps - inputs["old_per_token_logps"]) ** 2) * mask).sum() / count
+        # Logged (and compared with target_kl) as means over every rank's tokens: the gathered mean of the shares.
+        value_loss, value_clip, approx_kl = value_loss_for_gradient, value_clip * to_global, approx_kl * to_global
         for key, value in (("value_loss", value_loss), ("value_clipfrac", value_clip), ("approx_kl", approx_kl)):
             self._metrics[mode][f"ppo/{key}"].append(self.accelerator.gather(value.detach().reshape(1)).mean().item())
         target = self.args.target_kl
@@ -281,7 +288,13 @@ class PPOTrainer(GRPOTrainer):
             self._buffered_inputs = None
         self._metrics[mode]["ppo/early_stopped"].append(float(stop))
         scale = self.current_gradient_accumulation_steps
-        return policy_loss + self.args.vf_coef * value_loss / scale
+        return policy_loss + self.args.vf_coef * value_loss_for_gradient / scale
+
+    def _sum_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All-reduce SUM of a statistic (one collective; the identity on one process)."""
+        if self.accelerator.num_processes == 1:
+            return tensor
+        return self.accelerator.reduce(tensor.detach().clone(), reduction="sum")
 
     def _extra_gradients_finite(self) -> torch.Tensor | bool:
         # The critic's gradients count for the non-finite guard: policy and critic steps are skipped together

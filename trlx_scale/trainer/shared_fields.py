@@ -120,10 +120,10 @@ class ColocatedEngineFields:
     vllm_per_request_seed: bool = field(
         default=True,
         metadata={
-            "help": "Give every vLLM request its own seed, derived from (seed, data-parallel rank, step, prompt), so "
-            "that a step's rollouts do not depend on what the engine sampled before: a run resumed from a checkpoint "
-            "then samples exactly what the uninterrupted run did. False: vLLM's engine-wide generator (TRL's "
-            "behaviour)."
+            "help": "Give every vLLM request its own seed, derived from (seed, step, the request's row in the step's "
+            "global batch, prompt), so that a step's rollouts depend neither on what the engine sampled before nor on "
+            "the number of processes: a run resumed from a checkpoint samples exactly what the uninterrupted run did, "
+            "and 2 processes x B/2 sample what 1 x B does. False: vLLM's engine-wide generator (TRL's behaviour)."
         },
     )
     vllm_sync_bucket_mb: float = field(
