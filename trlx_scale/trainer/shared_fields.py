@@ -123,7 +123,8 @@ class ColocatedEngineFields:
             "help": "Give every vLLM request its own seed, derived from (seed, step, the request's row in the step's "
             "global batch, prompt), so that a step's rollouts depend neither on what the engine sampled before nor on "
             "the number of processes: a run resumed from a checkpoint samples exactly what the uninterrupted run did, "
-            "and 2 processes x B/2 sample what 1 x B does. False: vLLM's engine-wide generator (TRL's behaviour)."
+            "and 2 processes x B/2 sample what 1 x B does. On by default: its cost in a GRPO step's generation is within "
+            "noise on CPU (ratio 1.01, docs/benchmarks.md). False: vLLM's engine-wide generator (TRL's behaviour)."
         },
     )
     vllm_sync_bucket_mb: float = field(
