@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.utils import send_to_device
 from transformers.utils import logging
 from trl import GRPOTrainer as TRLGRPOTrainer
 
@@ -49,26 +50,6 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 ROLLOUT_STATE_NAME = "rollout_state_rank{}.pt"
-
-
-def _to_cpu(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(item) for item in value)
-    return value
-
-
-def _to_device(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {key: _to_device(item, device) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(item, device) for item in value)
-    return value
 
 
 class GRPOTrainer(
@@ -415,7 +396,7 @@ class GRPOTrainer(
         middle of a rollout's mini-batches (steps_per_generation or num_iterations > 1) would then regenerate early
         and shift every later rollout. Each rank saves both (its buffer is its own)."""
         super()._save_extra_state(checkpoint_dir)
-        state = {"step": self._step, "buffered_inputs": _to_cpu(self._buffered_inputs)}
+        state = {"step": self._step, "buffered_inputs": send_to_device(self._buffered_inputs, "cpu")}
         torch.save(state, os.path.join(checkpoint_dir, ROLLOUT_STATE_NAME.format(self.accelerator.process_index)))
 
     def _load_extra_state(self, checkpoint_dir: str) -> None:
@@ -426,7 +407,7 @@ class GRPOTrainer(
             return
         state = torch.load(path, map_location="cpu", weights_only=False)  # our own file: tensors and lists
         self._step = int(state["step"])
-        self._buffered_inputs = _to_device(state["buffered_inputs"], self.accelerator.device)
+        self._buffered_inputs = send_to_device(state["buffered_inputs"], self.accelerator.device)
 
     def _planner_extra_roles(self) -> dict:
         return {"reference": self.beta != 0.0}  # TRL builds a reference model only for a KL term
