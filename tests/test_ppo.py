@@ -126,14 +126,32 @@ def test_shared_base_critic_keeps_one_base_in_memory(default_model_dir, tmp_path
     assert len(storages) == 2 * base_count  # the separate critic is a second model
 
 
-def test_policy_optimizer_does_not_step_the_critic(default_model_dir, tmp_path):
+def test_shared_base_critic_is_a_parameter_group_of_the_policy_optimizer(default_model_dir, tmp_path):
+    """The shared-base critic's adapter and value head are the policy module's parameters (sharded and reduced with
+    it): one optimizer, the critic in a group of its own at the critic's learning rate."""
     trainer = _trainer(default_model_dir, tmp_path, critic_mode="shared_base")
+    trainer.create_optimizer()
+    *policy_groups, critic_group = trainer.optimizer.param_groups
+    policy_ids = {id(p) for group in policy_groups for p in group["params"]}
+    critic_ids = {id(p) for p in trainer.critic.trainable_parameters()}
+    assert policy_ids and critic_ids and not policy_ids & critic_ids
+    assert {id(p) for p in critic_group["params"]} == critic_ids
+    assert critic_group["lr"] == trainer.args.critic_learning_rate != policy_groups[0]["lr"]
+    assert trainer.critic_training is None  # no second optimizer
+    module_ids = {id(p) for p in trainer.model.parameters()}
+    assert critic_ids <= module_ids  # the value head is registered on the policy's module
+    assert all(p.requires_grad for p in trainer.critic.trainable_parameters())
+
+
+def test_separate_critic_has_its_own_optimizer(default_model_dir, tmp_path):
+    trainer = _trainer(default_model_dir, tmp_path, critic_mode="separate")
     trainer.create_optimizer()
     policy_ids = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     critic_ids = {id(p) for p in trainer.critic.trainable_parameters()}
     assert policy_ids and critic_ids and not policy_ids & critic_ids
-    assert {id(p) for g in trainer.critic_optimizer.param_groups for p in g["params"]} == critic_ids
-    assert all(p.requires_grad for p in trainer.critic.trainable_parameters())
+    optimizer = trainer.critic_training.optimizer
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == critic_ids
+    assert trainer.critic_training.backend == "single"
 
 
 @pytest.mark.parametrize("critic_mode", ["separate", "shared_base"])
@@ -229,3 +247,36 @@ def test_policy_and_reference_follow_the_requested_dtype(default_model_dir, tmp_
     assert trainer.model.dtype == torch.bfloat16
     assert trainer.ppo_ref_model.dtype == torch.bfloat16
     assert trainer.critic.head.summary.weight.dtype == torch.float32
+
+
+def _shared_base_gradients(default_model_dir, tmp_path, checkpointing: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    trainer = _trainer(
+        default_model_dir,
+        tmp_path / str(checkpointing),
+        critic_mode="shared_base",
+        gradient_checkpointing=checkpointing,
+    )
+    if checkpointing:  # as the Trainer does when training starts
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    trainer.model.train()
+    with torch.no_grad():  # both adapters away from their zero start, and a value head that sees them
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn_like(param) * 0.01)
+        trainer.critic.head.summary.weight.normal_()
+    input_ids = torch.randint(3, 100, (2, 12))
+    mask = torch.ones_like(input_ids)
+    policy_term = trainer.model(input_ids=input_ids, attention_mask=mask).logits.float().mean()
+    (trainer.critic.values(input_ids, mask).sum() + policy_term).backward()
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def test_shared_base_critic_gradients_are_the_same_with_gradient_checkpointing(default_model_dir, tmp_path):
+    """Checkpointed layers recompute in the backward, when the policy's adapter is active again: the critic's forward
+    must not be checkpointed, or its adapter gets gradients through the wrong adapter (off by O(10) before)."""
+    plain = _shared_base_gradients(default_model_dir, tmp_path, checkpointing=False)
+    checkpointed = _shared_base_gradients(default_model_dir, tmp_path, checkpointing=True)
+    assert set(plain) == set(checkpointed) and any(".critic." in n for n in plain)
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-6, msg=name)

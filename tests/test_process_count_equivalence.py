@@ -1,5 +1,6 @@
-"""2 processes x B/2 rows train like 1 process x B rows (DDP through `accelerate launch`, 3 steps of each example):
-the same rewards, losses and gradient norms up to float rounding, for GRPO (colocated engine), PPO (separate critic),
+"""2 processes x B/2 rows train like 1 process x B rows (through `accelerate launch`, 3 steps of each example): the
+same rewards, losses and gradient norms up to float rounding, for GRPO (colocated engine), PPO (separate full critic,
+separate LoRA critic, shared-base critic; under DDP, and under DeepSpeed ZeRO-3 where each role is partitioned),
 DPO offline and online.
 
 What makes it hold: per-request vLLM seeds keyed on the request's row in the global batch (the same samples whatever
@@ -25,12 +26,12 @@ KEYS = {
 }
 
 
-def _run(example: str, extra: list[str], out, processes: int, port: int) -> list[dict]:
+def _run(example: str, extra: list[str], out, processes: int, port: int, config: str = "cpu_ddp.yaml") -> list[dict]:
     launch = [ACCELERATE, "launch"]
     if processes == 1:
         launch += ["--num_processes", "1"]
     else:
-        launch += ["--config_file", os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml")]
+        launch += ["--config_file", os.path.join(REPO_ROOT, "configs", "accelerate", config)]
         launch += ["--main_process_port", str(port)]
     batch = str(16 // processes)
     command = [*launch, os.path.join(REPO_ROOT, "examples", example), *extra, "--max_steps", "3"]
@@ -40,20 +41,45 @@ def _run(example: str, extra: list[str], out, processes: int, port: int) -> list
         return [entry for entry in json.load(handle)["log_history"] if "loss" in entry]
 
 
+_SINGLE_PROCESS_RUNS: dict[tuple, list[dict]] = {}  # one 1 x B run serves every backend it is compared with
+
+
+def _single_process(example: str, extra: list[str], tmp_path_factory) -> list[dict]:
+    key = (example, *extra)
+    if key not in _SINGLE_PROCESS_RUNS:
+        out = tmp_path_factory.mktemp("one")
+        _SINGLE_PROCESS_RUNS[key] = _run(example, extra, out, processes=1, port=0)
+    return _SINGLE_PROCESS_RUNS[key]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("name", "example", "extra", "port"),
+    ("name", "example", "extra", "config", "port"),
     [
-        ("grpo", "grpo.py", [], 29631),
-        ("ppo", "ppo.py", [], 29632),
-        ("dpo", "dpo.py", [], 29633),
-        ("dpo-online", "dpo.py", ["--online"], 29634),
+        ("grpo", "grpo.py", [], "cpu_ddp.yaml", 29631),
+        ("ppo", "ppo.py", [], "cpu_ddp.yaml", 29632),
+        ("ppo", "ppo.py", [], "cpu_zero3.yaml", 29635),
+        ("ppo", "ppo.py", ["--critic_use_peft", "true"], "cpu_ddp.yaml", 29636),
+        ("ppo", "ppo.py", ["--critic_mode", "shared_base"], "cpu_ddp.yaml", 29637),
+        ("ppo", "ppo.py", ["--critic_mode", "shared_base"], "cpu_zero3.yaml", 29638),
+        ("dpo", "dpo.py", [], "cpu_ddp.yaml", 29633),
+        ("dpo-online", "dpo.py", ["--online"], "cpu_ddp.yaml", 29634),
+    ],
+    ids=[
+        "grpo-ddp",
+        "ppo-ddp",
+        "ppo-zero3",
+        "ppo-lora-critic-ddp",
+        "ppo-shared-ddp",
+        "ppo-shared-zero3",
+        "dpo-ddp",
+        "dpo-online-ddp",
     ],
 )
-def test_two_processes_train_like_one(name, example, extra, port, tmp_path):
-    one = _run(example, extra, tmp_path / "one", processes=1, port=port)
-    two = _run(example, extra, tmp_path / "two", processes=2, port=port)
+def test_two_processes_train_like_one(name, example, extra, config, port, tmp_path, tmp_path_factory):
+    one = _single_process(example, extra, tmp_path_factory)
+    two = _run(example, extra, tmp_path / "two", processes=2, port=port, config=config)
     assert len(one) == len(two) == 3
     for step, (single, double) in enumerate(zip(one, two, strict=True), start=1):
         for key in KEYS[name]:

@@ -98,6 +98,9 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         self._metrics: dict[str, float] = {}
         # The trainer's step profiler (trlx_scale.profiling); a weight sync is its own phase inside generation.
         self.phase_timer = PhaseTimer(enabled=False)
+        # Names of the trainer's parameters that are not the policy's weights (PPO's shared-base value head lives on
+        # the policy's module so that it is sharded with it): left out of every sync.
+        self.excluded_parameter_prefixes: tuple[str, ...] = ()
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ construction
@@ -267,15 +270,23 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             # Plain, ZeRO-3 (bucketed gathers) and FSDP2 (DTensor gathers) models stream through ours.
             def weights():
                 for name, tensor in self._iter_named_params():
+                    if self._excluded(name):
+                        continue
                     tensor = tensor.to(dtype)
                     counter["bytes"] = counter.get("bytes", 0) + tensor.numel() * tensor.element_size()
                     yield name, tensor
 
             named = weights()
         else:
-            params = [(self._fix_param_name_to_vllm(n), p) for n, p in self.model.named_parameters()]
+            params = [
+                (self._fix_param_name_to_vllm(n), p) for n, p in self.model.named_parameters() if not self._excluded(n)
+            ]
             named = full_weight_stream(params, self._dist.gather_params, dtype, self.sync_bucket_bytes, counter)
         return with_tied_aliases(named, self._tied_aliases)
+
+    def _excluded(self, name: str) -> bool:
+        name = name.removeprefix("base_model.model.")
+        return any(name.startswith(prefix) for prefix in self.excluded_parameter_prefixes)
 
     def _push_weights(self, named_weights) -> None:
         worker = self.llm.llm_engine.model_executor.driver_worker

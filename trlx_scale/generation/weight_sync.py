@@ -190,7 +190,8 @@ class LoRAAdapterSync:
 
     def base_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The frozen base in vLLM's names (no adapter merged), for re-filling an engine that discarded its weights."""
-        for name, param in self.model.named_parameters():
+        # The base model's own parameters: not whatever else the trainer registered on the PEFT wrapper.
+        for name, param in self.model.get_base_model().named_parameters():
             if "lora_" in name:
                 continue
             with torch.no_grad(), self.gather_params([param]):

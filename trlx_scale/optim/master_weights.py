@@ -55,6 +55,19 @@ class FP32MasterAdamW(torch.optim.AdamW):
         kwargs.setdefault("foreach", False)  # masters may live on CPU while grads arrive from elsewhere; keep simple
         super().__init__(master_groups, **kwargs)
 
+    def add_trainable_group(self, group: dict[str, Any]) -> None:
+        """``add_param_group`` for model parameters: their fp32 masters join the optimizer as a new group (a plain
+        ``add_param_group`` would step the model parameters themselves, without masters)."""
+        masters = []
+        for param in group["params"]:
+            if not param.requires_grad:
+                raise ValueError("FP32MasterAdamW got a frozen parameter: pass only trainable parameters.")
+            if any(param is known for known in self.model_params):
+                raise ValueError("A parameter appears in more than one parameter group.")
+            masters.append(torch.nn.Parameter(param.detach().to(torch.float32).clone()))
+        self.add_param_group({**group, "params": masters})
+        self.model_params.extend(group["params"])
+
     @property
     def master_params(self) -> list[torch.nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]

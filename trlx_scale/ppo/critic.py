@@ -18,6 +18,9 @@ import torch
 from torch import nn
 
 CRITIC_ADAPTER = "critic"
+# The shared-base critic's value head, registered on the policy's PEFT model (so it is sharded and reduced with it).
+# The policy's weight sync leaves it out: vLLM has no such weight.
+VALUE_HEAD_MODULE = "trlx_value_head"
 
 
 class ValueHead(nn.Module):
@@ -30,7 +33,9 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.summary(hidden_states.float()).squeeze(-1)
+        # A DeepSpeed engine with bf16 on casts the head to bf16 with the rest of the critic: follow its dtype, and
+        # hand out fp32 values either way.
+        return self.summary(hidden_states.to(self.summary.weight.dtype)).float().squeeze(-1)
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -52,9 +57,13 @@ class SeparateCritic(nn.Module):
         self.model = model
         self.head = ValueHead(_hidden_size(model))
 
-    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # The forward is the values, so that a DDP wrapper or a DeepSpeed engine around the critic runs it.
         hidden = _backbone(self.model)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.head(hidden)
+
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self(input_ids, attention_mask)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -66,8 +75,11 @@ class SeparateCritic(nn.Module):
 class SharedBaseCritic(nn.Module):
     """The policy's PEFT model with a second adapter, "critic", active while values are computed.
 
-    PEFT's ``set_adapter`` marks only the active adapter trainable; both adapters are kept trainable here (each is
-    stepped by its own optimizer), and only the forward changes which one is applied.
+    The critic adapter and the value head are parameters of the policy's module (the head is registered on it as
+    ``VALUE_HEAD_MODULE``): whatever wraps the policy (DDP, a DeepSpeed ZeRO-3 engine) shards and reduces them with
+    it, and they are trained by the policy's optimizer in a parameter group of their own (the trainer's
+    ``create_optimizer``). PEFT's ``set_adapter`` marks only the active adapter trainable; both adapters are kept
+    trainable here, and only the forward changes which one is applied.
     """
 
     def __init__(self, peft_model: nn.Module, lora_config):
@@ -78,11 +90,16 @@ class SharedBaseCritic(nn.Module):
         peft_model.add_adapter(CRITIC_ADAPTER, copy.deepcopy(lora_config))
         peft_model.set_requires_grad(CRITIC_ADAPTER, True)
         self._peft_model = [peft_model]  # not a submodule: the policy's weights are not the critic's to save/move
-        self.head = ValueHead(_hidden_size(peft_model))
+        device = next(peft_model.parameters()).device
+        peft_model.add_module(VALUE_HEAD_MODULE, ValueHead(_hidden_size(peft_model)).to(device))
 
     @property
     def peft_model(self) -> nn.Module:
         return self._peft_model[0]
+
+    @property
+    def head(self) -> ValueHead:
+        return getattr(self.peft_model, VALUE_HEAD_MODULE)
 
     @contextmanager
     def _critic_active(self) -> Iterator[None]:
@@ -94,8 +111,32 @@ class SharedBaseCritic(nn.Module):
             model.set_adapter(self.policy_adapter)
             model.set_requires_grad(CRITIC_ADAPTER, True)
 
+    @contextmanager
+    def _without_recomputation(self) -> Iterator[None]:
+        """The critic's forward is never gradient-checkpointed. Checkpointed layers recompute their forward during
+        the backward, when the policy's adapter is the active one again: the critic adapter's gradients would be
+        computed through the policy's adapter (measured: wrong by O(10) on the embedded model), and under ZeRO-3 the
+        policy adapter's gradients would be reduced twice (DeepSpeed's duplicate ``ds_id`` assertion). Switched off
+        the way transformers switches it (each ``GradientCheckpointingLayer``'s documented flag), for this forward
+        only; tests/test_ppo.py checks the gradients against a run without checkpointing. The price: the critic's
+        activations are kept, not recomputed."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [
+            m
+            for m in self.peft_model.modules()
+            if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+        ]
+        for layer in layers:
+            layer.gradient_checkpointing = False
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.gradient_checkpointing = True
+
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        with self._critic_active():
+        with self._critic_active(), self._without_recomputation():
             hidden = _backbone(self.peft_model)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.head(hidden)
 
@@ -110,9 +151,25 @@ class SharedBaseCritic(nn.Module):
         return {**adapter, **{f"head.{n}": p for n, p in self.head.named_parameters()}}
 
 
+@contextmanager
+def _gathered(params: list[nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
+    """DeepSpeed ZeRO-3 partitions gathered into full tensors for the block (``modifier_rank``: whose writes are
+    kept and re-partitioned); a no-op for ordinary tensors."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+            yield
+    else:
+        yield
+
+
 def critic_state(critic: SeparateCritic | SharedBaseCritic) -> dict[str, torch.Tensor]:
-    """The critic's trained tensors (value head included), by name: what a checkpoint must hold to resume it."""
-    return {name: p.detach().cpu().clone() for name, p in critic.named_trainable_parameters().items()}
+    """The critic's trained tensors (value head included), by name: what a checkpoint must hold to resume it.
+    Under ZeRO-3 this gathers, so every rank must call it."""
+    params = critic.named_trainable_parameters()
+    with _gathered(list(params.values())):
+        return {name: p.detach().cpu().clone() for name, p in params.items()}
 
 
 @torch.no_grad()
@@ -125,5 +182,6 @@ def load_critic_state(critic: SeparateCritic | SharedBaseCritic, state: dict[str
             f"The checkpoint's critic does not match this critic (missing {missing[:3]}, unexpected "
             f"{unexpected[:3]}): resume with the critic_mode and critic_use_peft it was saved with."
         )
-    for name, param in params.items():
-        param.copy_(state[name])
+    with _gathered(list(params.values()), modifier_rank=0):
+        for name, param in params.items():
+            param.copy_(state[name])

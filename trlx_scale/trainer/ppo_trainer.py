@@ -16,6 +16,17 @@ rollout, logging, checkpointing and Hub push. PPO replaces two steps:
 Roles: policy (the trainer's model), critic (``ppo.critic``: a separate model, or a second LoRA adapter on the policy's
 base), reference (the base with the adapter disabled for a LoRA policy, else a frozen copy), reward (``reward_funcs``:
 functions and/or sequence-classification models).
+
+How each role is distributed (docs/ppo.md has the table and the memory per GPU):
+
+- policy: as TRL prepares it (DDP, a DeepSpeed engine, FSDP).
+- separate critic: prepared on its own by the same machinery (``ppo.critic_training.DistributedCritic``: a DDP
+  replica, or a DeepSpeed engine built from the policy's config, so ZeRO-3 partitions its parameters, gradients and
+  Adam states like the policy's). Why not one module holding policy and critic: see that module's docstring.
+- shared-base critic: its adapter and value head are parameters of the policy's module, trained by the policy's
+  optimizer in a parameter group of their own (critic learning rate), reduced and sharded with the policy.
+- reference (full fine-tuning) and reward models: inference-only, prepared as TRL prepares its reference model
+  (``prepare_deepspeed`` / ``prepare_fsdp``); the reward models by TRL's GRPO itself.
 """
 
 from __future__ import annotations
@@ -25,13 +36,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
+from trl.models.utils import prepare_deepspeed, prepare_fsdp
 from trl.trainer.utils import add_fused_lm_head
 
+from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.weight_sync import is_peft_model
 from ..losses.value_loss import clipped_value_loss
+from ..optim.master_weights import FP32MasterAdamW
 from ..optim.presets import get_preset
 from ..ppo.advantages import gae, kl_penalty_rewards, masked_whiten, per_token_kl
-from ..ppo.critic import SeparateCritic, SharedBaseCritic, critic_state, load_critic_state
+from ..ppo.critic import VALUE_HEAD_MODULE, SeparateCritic, SharedBaseCritic, critic_state, load_critic_state
+from ..ppo.critic_training import DistributedCritic
 from ..ppo.kl_controller import AdaptiveKLController, FixedKLController
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
@@ -98,7 +113,20 @@ class PPOTrainer(GRPOTrainer):
         )
         self.critic = self._build_critic(value_model)
         self.ppo_ref_model = self._build_reference(ref_model)
-        self.critic_optimizer = self._build_critic_optimizer()
+        # The separate critic with its optimizer, wrapped like the policy; None for the shared-base critic, whose
+        # parameters the policy's optimizer steps.
+        self.critic_training: DistributedCritic | None = None
+        if isinstance(self.critic, SeparateCritic):
+            self.critic_training = DistributedCritic(
+                self.critic,
+                self._build_critic_optimizer(),
+                self.accelerator,
+                max_grad_norm=args.max_grad_norm,
+                gradient_accumulation_steps=args.gradient_accumulation_steps,
+                micro_batch_size=args.per_device_train_batch_size,
+            )
+        elif isinstance(getattr(self, "vllm_generation", None), ColocatedVLLMGeneration):
+            self.vllm_generation.excluded_parameter_prefixes = (VALUE_HEAD_MODULE + ".",)  # not a weight of vLLM's
         self.add_callback(_StepCriticWithPolicy(self))
 
     # ------------------------------------------------------------------ roles
@@ -129,14 +157,26 @@ class PPOTrainer(GRPOTrainer):
             return SharedBaseCritic(policy, policy.peft_config[policy.active_adapter]).to(device)
         if value_model is None:
             source = args.value_model_name_or_path or policy.config._name_or_path
-            value_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+            value_model = AutoModelForCausalLM.from_pretrained(source, dtype=self._critic_dtype())
         if args.critic_use_peft:
             if not is_peft_model(policy):
                 raise ValueError("critic_use_peft reuses the policy's LoRA config: give the policy a peft_config.")
             from peft import get_peft_model
 
             value_model = get_peft_model(value_model, policy.peft_config[policy.active_adapter])
+        if args.gradient_checkpointing:  # the critic's activations are a policy-sized cost: same recompute trade
+            kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+            value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            if args.critic_use_peft:
+                value_model.enable_input_require_grads()  # a frozen embedding feeds the checkpointed LoRA layers
         return SeparateCritic(value_model).to(device)
+
+    def _critic_dtype(self) -> torch.dtype:
+        """fp32, unless the policy trains bf16 weights with fp32 masters (``fp32_master_weights``): then the critic
+        does the same (bf16 compute, ``FP32MasterAdamW``). Under DeepSpeed the engine's precision config rules."""
+        if getattr(self.args, "fp32_master_weights", False) and self._policy().dtype != torch.float32:
+            return self._policy().dtype
+        return torch.float32
 
     def _build_reference(self, ref_model):
         """None for a LoRA policy (its base, adapters disabled, is the reference); else a frozen copy."""
@@ -150,29 +190,48 @@ class PPOTrainer(GRPOTrainer):
             )
         add_fused_lm_head(ref_model, temperature=self.temperature)
         ref_model.requires_grad_(False).eval()
-        return ref_model.to(self.accelerator.device)
+        # Inference-only, prepared as TRL prepares its own reference model: ZeRO-3 partitions it, FSDP shards it.
+        if self.is_deepspeed_enabled:
+            return prepare_deepspeed(ref_model, self.accelerator)
+        if self.is_fsdp_enabled:
+            return prepare_fsdp(ref_model, self.accelerator)
+        return self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+
+    def _critic_optimizer_options(self) -> dict:
+        preset = get_preset("ppo_critic")
+        return {
+            "lr": self.args.critic_learning_rate or preset.learning_rate,
+            "betas": (preset.adam_beta1, preset.adam_beta2),
+            "eps": preset.adam_epsilon,
+            "weight_decay": preset.weight_decay,
+        }
 
     def _build_critic_optimizer(self) -> torch.optim.Optimizer:
-        preset = get_preset("ppo_critic")
-        learning_rate = self.args.critic_learning_rate or preset.learning_rate
-        return torch.optim.AdamW(
-            self.critic.trainable_parameters(),
-            lr=learning_rate,
-            betas=(preset.adam_beta1, preset.adam_beta2),
-            eps=preset.adam_epsilon,
-            weight_decay=preset.weight_decay,
-        )
+        params = self.critic.trainable_parameters()
+        if any(p.dtype != torch.float32 for p in params) and not self.is_deepspeed_enabled:
+            return FP32MasterAdamW(params, **self._critic_optimizer_options())
+        return torch.optim.AdamW(params, **self._critic_optimizer_options())
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
-        # The policy's optimizer must not step the critic adapter (shared_base): hide it while the optimizer is built.
-        hidden = self.critic.adapter_parameters() if isinstance(self.critic, SharedBaseCritic) else []
-        for param in hidden:
+        if not isinstance(self.critic, SharedBaseCritic) or self.optimizer is not None:
+            return super().create_optimizer(model)
+        # The shared-base critic's adapter and value head are the policy module's parameters: one optimizer, with
+        # the critic in a group of its own (its learning rate and Adam options). Hidden while TRL builds the policy's
+        # groups, then added.
+        critic_params = self.critic.trainable_parameters()
+        for param in critic_params:
             param.requires_grad_(False)
         try:
-            return super().create_optimizer(model)
+            optimizer = super().create_optimizer(model)
         finally:
-            for param in hidden:
+            for param in critic_params:
                 param.requires_grad_(True)
+        group = {"params": critic_params, **self._critic_optimizer_options()}
+        if isinstance(optimizer, FP32MasterAdamW):
+            optimizer.add_trainable_group(group)
+        else:
+            optimizer.add_param_group(group)
+        return optimizer
 
     # ------------------------------------------------------------------ rollout: rewards, KL, values, GAE
 
@@ -205,7 +264,7 @@ class PPOTrainer(GRPOTrainer):
             with self.phase_timer.phase("ref_logprobs", absorb=True):  # a LoRA policy's base: the same model
                 ref_logps = self._reference_logps(input_ids, attention_mask, length)
             with self.phase_timer.phase("critic"):
-                values = self._values(input_ids, attention_mask, length)
+                values = self._values(input_ids, attention_mask, length, args.per_device_train_batch_size)
         kl = per_token_kl(output["old_per_token_logps"], ref_logps, args.kl_estimator) * mask
         rewards = kl_penalty_rewards(scores.to(kl.dtype), kl, self.kl_controller.value, mask)
         advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
@@ -245,9 +304,16 @@ class PPOTrainer(GRPOTrainer):
                 0
             ]
 
-    def _values(self, input_ids, attention_mask, length) -> torch.Tensor:
-        """V before each completion token: the value at the position that precedes it."""
-        return self.critic.values(input_ids, attention_mask)[:, -length - 1 : -1]
+    def _values(self, input_ids, attention_mask, length, chunk_size: int | None = None) -> torch.Tensor:
+        """V before each completion token: the value at the position that precedes it. ``chunk_size`` rows at a time
+        (the rollout's no-grad pass, like TRL's log-prob pass) so activations stay a micro-batch's."""
+        critic = self.critic_training if self.critic_training is not None else self.critic
+        chunk_size = chunk_size or input_ids.size(0)
+        chunks = [
+            critic.values(input_ids[start : start + chunk_size], attention_mask[start : start + chunk_size])
+            for start in range(0, input_ids.size(0), chunk_size)
+        ]
+        return torch.cat(chunks)[:, -length - 1 : -1]
 
     # ------------------------------------------------------------------ loss: policy (TRL) + value
 
@@ -288,7 +354,13 @@ class PPOTrainer(GRPOTrainer):
             self._buffered_inputs = None
         self._metrics[mode]["ppo/early_stopped"].append(float(stop))
         scale = self.current_gradient_accumulation_steps
-        return policy_loss + self.args.vf_coef * value_loss_for_gradient / scale
+        critic_loss = self.args.vf_coef * value_loss_for_gradient / scale
+        if self.critic_training is None:  # shared base: one graph, one backward, one optimizer
+            return policy_loss + critic_loss
+        # A separate critic's loss has a graph of its own: its backward runs through its own wrapper now (DDP or a
+        # DeepSpeed engine); the returned loss carries it for logging only.
+        self.critic_training.backward(critic_loss)
+        return policy_loss + critic_loss.detach()
 
     def _sum_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """All-reduce SUM of a statistic (one collective; the identity on one process)."""
@@ -297,43 +369,35 @@ class PPOTrainer(GRPOTrainer):
         return self.accelerator.reduce(tensor.detach().clone(), reduction="sum")
 
     def _extra_gradients_finite(self) -> torch.Tensor | bool:
-        # The critic's gradients count for the non-finite guard: policy and critic steps are skipped together
-        # (one loss, policy + vf_coef x value loss, produced both).
-        grads = [p.grad for p in self.critic.trainable_parameters() if p.grad is not None]
-        if not grads:
+        # A separate critic's gradients count for the non-finite guard: policy and critic steps are skipped together
+        # (one PPO loss produced both). The shared-base critic's are in the policy's gradient norm already.
+        if self.critic_training is None:
             return True
-        return torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        return self.critic_training.gradients_finite()
 
     def _on_skipped_step(self) -> None:
-        self.critic_optimizer.zero_grad(set_to_none=True)
+        if self.critic_training is not None:
+            self.critic_training.zero_grad()
 
     def _step_critic(self) -> None:
+        if self.critic_training is None:
+            return  # shared base: the policy's optimizer stepped the critic's group
         if self._guard_state()["skip"]:
             return  # the guard skipped this step: the critic's gradients were dropped with the policy's
         with self.phase_timer.phase("critic"):
-            self._critic_optimizer_step()
-
-    def _critic_optimizer_step(self) -> None:
-        params = self.critic.trainable_parameters()
-        if self.accelerator.num_processes > 1:
-            for param in params:  # the critic is outside DDP: average its gradients by hand
-                if param.grad is not None:
-                    torch.distributed.all_reduce(param.grad)
-                    param.grad /= self.accelerator.num_processes
-        torch.nn.utils.clip_grad_norm_(params, get_preset("ppo_critic").max_grad_norm)
-        self.critic_optimizer.step()
-        self.critic_optimizer.zero_grad(set_to_none=True)
+            self.critic_training.step()
 
     # ------------------------------------------------------------------ checkpoints: the critic and the KL controller
 
     def _save_extra_state(self, checkpoint_dir: str) -> None:
         super()._save_extra_state(checkpoint_dir)
-        if self.args.should_save:  # the critic is replicated: rank 0's copy is everyone's
-            state = {
-                "critic": critic_state(self.critic),
-                "critic_optimizer": self.critic_optimizer.state_dict(),
-                "kl_coef": self.kl_controller.value,
-            }
+        # Every rank takes part (ZeRO-3 gathers; a DeepSpeed critic writes its own partitions); rank 0 writes the file.
+        if self.critic_training is not None:
+            state = self.critic_training.save(checkpoint_dir, self.args.should_save)
+        else:  # the shared-base critic's optimizer state is in the policy's optimizer, saved by transformers
+            state = {"critic": critic_state(self.critic)}
+        if self.args.should_save:
+            state["kl_coef"] = self.kl_controller.value
             torch.save(state, os.path.join(checkpoint_dir, PPO_STATE_NAME))
 
     def _load_extra_state(self, checkpoint_dir: str) -> None:
@@ -345,8 +409,10 @@ class PPOTrainer(GRPOTrainer):
                 "not written by trlx_scale's PPOTrainer, whose runs cannot resume without their critic."
             )
         state = torch.load(path, map_location="cpu", weights_only=True)
-        load_critic_state(self.critic, state["critic"])
-        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        if self.critic_training is not None:
+            self.critic_training.load(checkpoint_dir, state)
+        else:
+            load_critic_state(self.critic, state["critic"])
         self.kl_controller.value = float(state["kl_coef"])
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
