@@ -280,3 +280,9 @@ def test_shared_base_critic_gradients_are_the_same_with_gradient_checkpointing(d
     assert set(plain) == set(checkpointed) and any(".critic." in n for n in plain)
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_shared_base_refuses_ddp_unused_parameter_search(tmp_path):
+    with pytest.raises(ValueError, match="leave ddp_find_unused_parameters unset"):
+        _args(tmp_path, critic_mode="shared_base", ddp_find_unused_parameters=True)
+    assert _args(tmp_path, critic_mode="shared_base").ddp_find_unused_parameters is False

@@ -103,6 +103,18 @@ class PPOConfig(GRPOConfig):
             raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}.")
         if self.critic_mode not in ("separate", "shared_base"):
             raise ValueError(f"critic_mode must be 'separate' or 'shared_base', got {self.critic_mode!r}.")
+        if self.critic_mode == "shared_base":
+            # The critic's adapter and value head are parameters of the policy's DDP module used outside its forward.
+            # DDP's unused-parameter search would mark them ready (unused) after the forward, then again when the
+            # value loss's gradients reach them: "Expected to mark a variable ready only once". Every trainable
+            # parameter gets a gradient in each step (policy and value loss share one backward), so it is not needed.
+            if self.ddp_find_unused_parameters:
+                raise ValueError(
+                    "critic_mode='shared_base' trains the critic adapter inside the policy's DDP module but outside "
+                    "its forward, which ddp_find_unused_parameters=True cannot handle: leave ddp_find_unused_parameters "
+                    "unset (or False)."
+                )
+            self.ddp_find_unused_parameters = False
         if not 0.0 <= self.lam <= 1.0 or not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
         if self.kl_target <= 0 or self.kl_horizon <= 0:

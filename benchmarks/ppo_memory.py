@@ -1,0 +1,148 @@
+"""Per-rank peak memory of PPO (full policy, frozen reference copy, separate full critic) at ~30M parameters:
+1 process, 2-process DDP and 2-process DeepSpeed ZeRO-3, side by side (CPU: peak RSS of each rank).
+
+    python benchmarks/ppo_memory.py --repeats 2            # prints the table, writes --out (JSON)
+
+Each run is `accelerate launch` of this script in worker mode on a locally built Llama (4 layers, hidden 512, ~30M
+parameters, benchmarks/bench_assets.py), with HF generation (no vLLM engine, whose KV cache is a budget the user sets
+and would hide the roles' memory): 3 PPO steps of 8 rows per rank (2 prompts x 4), 48-token prompts, 16-token
+completions. A rank reports its peak RSS, its RSS just before the trainer was built (Python, torch, the dataset), and
+the difference: what the trainer's roles (policy, critic, reference, their gradients and Adam states, activations)
+cost it. ZeRO-3 partitions every role over the 2 ranks; DDP replicates them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SETUPS = {
+    "1 process": ["--num_processes", "1"],
+    "2-process DDP": ["--config_file", os.path.join(ROOT, "configs", "accelerate", "cpu_ddp.yaml")],
+    "2-process ZeRO-3": ["--config_file", os.path.join(ROOT, "configs", "accelerate", "cpu_zero3.yaml")],
+}
+PROMPT_TOKENS, COMPLETION_TOKENS = 48, 16
+
+
+def _rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _current_rss_gib() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def worker(output: str) -> None:
+    import random
+
+    from bench_assets import build_model_dir, llama_30m
+    from datasets import Dataset
+
+    from trlx_scale import PPOConfig, PPOTrainer
+
+    model_dir = build_model_dir("ppo_memory_30m", llama_30m())
+    rng = random.Random(0)
+    prompts = [" ".join(f"t{rng.randrange(3, 32000)}" for _ in range(PROMPT_TOKENS)) for _ in range(64)]
+    dataset = Dataset.from_dict({"prompt": prompts})
+
+    def reward_length(completions, **kwargs):
+        return [float(len(c)) / 100 for c in completions]
+
+    args = PPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=COMPLETION_TOKENS,
+        max_steps=3,
+        learning_rate=1e-5,
+        critic_learning_rate=1e-5,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        ddp_backend="gloo",
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+        profile_phases=False,
+    )
+    baseline = _current_rss_gib()
+    trainer = PPOTrainer(model=model_dir, reward_funcs=reward_length, args=args, train_dataset=dataset)
+    trainer.train()
+    peak = _rss_gib()
+    critic_params = sum(p.numel() for p in trainer.critic.parameters())
+    report = {
+        "rank": trainer.accelerator.process_index,
+        "world_size": trainer.accelerator.num_processes,
+        "critic_backend": trainer.critic_training.backend,
+        "critic_parameters": critic_params,
+        "baseline_gib": baseline,
+        "peak_gib": peak,
+        "roles_gib": peak - baseline,
+    }
+    with open(f"{output}.rank{report['rank']}.json", "w") as handle:
+        json.dump(report, handle)
+
+
+def run_setup(name: str, port: int) -> list[dict]:
+    output = os.path.join(tempfile.mkdtemp(), "report")
+    env = dict(os.environ)
+    for variable in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        env.pop(variable, None)
+    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", *SETUPS[name]]
+    command += ["--main_process_port", str(port), os.path.abspath(__file__), "--worker", output]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{result.stderr[-4000:]}")
+    ranks = 1 if name == "1 process" else 2
+    reports = []
+    for rank in range(ranks):
+        with open(f"{output}.rank{rank}.json") as handle:
+            reports.append(json.load(handle))
+    return reports
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", metavar="OUTPUT", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per setup; the table shows medians")
+    parser.add_argument("--out", default="ppo_memory.json", help="where the raw per-rank reports go")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    runs = {name: [] for name in SETUPS}
+    port = 29780
+    for repeat in range(args.repeats):
+        for name in SETUPS:  # interleaved: a noisy machine affects every setup alike
+            port += 1
+            runs[name].append(run_setup(name, port))
+            print(f"repeat {repeat + 1}: {name} done", flush=True)
+    with open(args.out, "w") as handle:
+        json.dump(runs, handle, indent=1)
+    print("| setup | critic | per-rank peak RSS (GiB) | before the trainer (GiB) | roles: peak - before (GiB) |")
+    print("|---|---|---|---|---|")
+    for name, repeats in runs.items():
+        # The worst rank of each run (the per-rank budget a user must have), median over repeats.
+        peak = statistics.median(max(r["peak_gib"] for r in reports) for reports in repeats)
+        base = statistics.median(max(r["baseline_gib"] for r in reports) for reports in repeats)
+        roles = statistics.median(max(r["roles_gib"] for r in reports) for reports in repeats)
+        backend = repeats[0][0]["critic_backend"]
+        print(f"| {name} | {backend} | {peak:.2f} | {base:.2f} | {roles:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
