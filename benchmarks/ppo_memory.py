@@ -8,12 +8,15 @@ parameters, benchmarks/bench_assets.py), with HF generation (no vLLM engine, who
 and would hide the roles' memory): 3 PPO steps of 8 rows per rank (2 prompts x 4), 48-token prompts, 16-token
 completions. A rank reports its peak RSS, its RSS just before the trainer was built (Python, torch, the dataset), and
 the difference: what the trainer's roles (policy, critic, reference, their gradients and Adam states, activations)
-cost it. ZeRO-3 partitions every role over the 2 ranks; DDP replicates them.
+cost it, and the model states each role holds after training (parameters or their partition, gradients, fp32
+masters and Adam moments, counted tensor by tensor). ZeRO-3 partitions every role over the 2 ranks; DDP replicates
+them.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -34,7 +37,7 @@ SETUPS = {
     "2-process DDP": ["--config_file", os.path.join(ROOT, "configs", "accelerate", "cpu_ddp.yaml")],
     "2-process ZeRO-3": ["--config_file", os.path.join(ROOT, "configs", "accelerate", "cpu_zero3.yaml")],
 }
-PROMPT_TOKENS, COMPLETION_TOKENS = 48, 16
+PROMPT_TOKENS, COMPLETION_TOKENS = 16, 8
 
 
 def _rss_gib() -> float:
@@ -46,6 +49,71 @@ def _current_rss_gib() -> float:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
+class _RSSSampler:
+    """The largest current RSS seen by a thread polling /proc every 5 ms (ru_maxrss also counts model loading)."""
+
+    def __init__(self):
+        import threading
+
+        self.peak = _current_rss_gib()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._done.wait(0.005):
+            self.peak = max(self.peak, _current_rss_gib())
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        return self.peak
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _optimizer_bytes(optimizer) -> int:
+    """Adam moments (and masters) of a torch optimizer, or of a DeepSpeed ZeRO optimizer (its fp32 partition, its
+    gradient partition and the wrapped optimizer's moments)."""
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # DeepSpeed ZeRO-3: fp32 partition, gradient partition
+        total = _tensor_bytes(optimizer.fp32_partitioned_groups_flat)
+        total += _tensor_bytes([getattr(optimizer, "grad_partitions_flat_buffer", None)])
+        optimizer = optimizer.optimizer  # the wrapped torch optimizer: the moments
+    else:
+        total = _tensor_bytes(getattr(optimizer, "master_params", []))  # trlx_scale's FP32MasterAdamW
+    states = [v for state in optimizer.state.values() for v in state.values() if hasattr(v, "numel")]
+    return total + _tensor_bytes(states)
+
+
+def _module_bytes(module) -> int:
+    """Parameters this rank holds (a ZeRO-3 parameter: its partition) and their gradients."""
+    params = list(module.parameters())
+    held = _tensor_bytes(getattr(p, "ds_tensor", p) for p in params)
+    return held + _tensor_bytes(p.grad for p in params)
+
+
+def model_state_gib(trainer) -> dict[str, float]:
+    """What each role holds on this rank after training (activations freed): parameters, gradients and optimizer
+    state, counted tensor by tensor. DDP's gradient buckets (one more copy of the gradients) are not counted."""
+    policy = trainer.model_wrapped
+    policy_module = getattr(policy, "module", policy)
+    deepspeed = critic_backend = trainer.critic_training.backend == "deepspeed"
+    # A DeepSpeed engine's ZeRO optimizer, or the torch optimizer inside Accelerate's wrapper.
+    policy_optimizer = policy.optimizer if deepspeed else trainer.optimizer.optimizer
+    critic = trainer.critic_training
+    critic_optimizer = critic.module.optimizer if critic_backend else critic.optimizer
+    reference = trainer.ppo_ref_model
+    reference = getattr(reference, "module", reference)
+    gib = {
+        "policy": _module_bytes(policy_module) + _optimizer_bytes(policy_optimizer),
+        "critic": _module_bytes(critic.critic) + _optimizer_bytes(critic_optimizer),
+        "reference": _module_bytes(reference),
+    }
+    return {role: value / 2**30 for role, value in gib.items()}
+
+
 def worker(output: str) -> None:
     import random
 
@@ -53,6 +121,7 @@ def worker(output: str) -> None:
     from datasets import Dataset
 
     from trlx_scale import PPOConfig, PPOTrainer
+    from trlx_scale.tasks.example_runtime import cpu_launch_defaults
 
     model_dir = build_model_dir("ppo_memory_30m", llama_30m())
     rng = random.Random(0)
@@ -64,7 +133,7 @@ def worker(output: str) -> None:
 
     args = PPOConfig(
         output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=8,
+        per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=COMPLETION_TOKENS,
         max_steps=3,
@@ -73,25 +142,30 @@ def worker(output: str) -> None:
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        bf16=False,
-        ddp_backend="gloo",
+        **cpu_launch_defaults(),  # on CPU: fp32, and the gloo process group (use_cpu under DDP) when launched on 2
         disable_tqdm=True,
         gradient_checkpointing=False,
         profile_phases=False,
     )
     baseline = _current_rss_gib()
     trainer = PPOTrainer(model=model_dir, reward_funcs=reward_length, args=args, train_dataset=dataset)
+    # Memory freed after loading (whole models, before ZeRO-3 partitions them) stays in glibc's heap and in the RSS
+    # unless trimmed: trimmed here, so the sampler sees what the training steps themselves hold.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    sampler = _RSSSampler()  # the training steps' own peak
     trainer.train()
+    training_peak = sampler.stop()
+
     peak = _rss_gib()
-    critic_params = sum(p.numel() for p in trainer.critic.parameters())
     report = {
         "rank": trainer.accelerator.process_index,
         "world_size": trainer.accelerator.num_processes,
         "critic_backend": trainer.critic_training.backend,
-        "critic_parameters": critic_params,
         "baseline_gib": baseline,
         "peak_gib": peak,
         "roles_gib": peak - baseline,
+        "training_peak_gib": training_peak,
+        "model_state_gib": model_state_gib(trainer),
     }
     with open(f"{output}.rank{report['rank']}.json", "w") as handle:
         json.dump(report, handle)
@@ -133,15 +207,21 @@ def main() -> None:
             print(f"repeat {repeat + 1}: {name} done", flush=True)
     with open(args.out, "w") as handle:
         json.dump(runs, handle, indent=1)
-    print("| setup | critic | per-rank peak RSS (GiB) | before the trainer (GiB) | roles: peak - before (GiB) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| setup | critic | per-rank peak RSS (GiB) | before the trainer | roles: peak - before | model states held "
+        "(policy + critic + reference, GiB) |"
+    )
+    print("|---|---|---|---|---|---|")
     for name, repeats in runs.items():
         # The worst rank of each run (the per-rank budget a user must have), median over repeats.
         peak = statistics.median(max(r["peak_gib"] for r in reports) for reports in repeats)
         base = statistics.median(max(r["baseline_gib"] for r in reports) for reports in repeats)
         roles = statistics.median(max(r["roles_gib"] for r in reports) for reports in repeats)
+        states = repeats[0][0]["model_state_gib"]  # counted tensor by tensor: the same in every repeat
+        held = " + ".join(f"{states[k]:.3f}" for k in ("policy", "critic", "reference"))
+        total = sum(states.values())
         backend = repeats[0][0]["critic_backend"]
-        print(f"| {name} | {backend} | {peak:.2f} | {base:.2f} | {roles:.2f} |")
+        print(f"| {name} | {backend} | {peak:.2f} | {base:.2f} | {roles:.2f} | {held} = {total:.3f} |")
 
 
 if __name__ == "__main__":

@@ -128,8 +128,14 @@ def test_engine_without_sleep_stays_during_training_and_level_1_keeps_weights_on
 def test_reference_and_critic_roles():
     ppo = role_memory(_run(algo="ppo", runtime_overhead_gib=0), Layout("zero3", False, 1, 4), 80.0)
     roles = {r.role: r for r in ppo.roles}
-    assert roles["reference"].training == 86848 * 2  # PPO's full-FT reference: a replica in this version
-    assert roles["critic (separate)"].training == 86848 * 16  # fp32 weights + gradients + fp32 AdamW, replicated
+    # PPO's full-FT reference is prepared like TRL's: its quarter, plus the parameters a ZeRO-3 forward keeps gathered
+    # (all of them below stage3_max_live_parameters).
+    assert roles["reference"].training == 86848 * 2 / 4 + 86848 * 2
+    critic = roles["critic (separate, sharded)"]  # a DeepSpeed engine of its own, sharded like the policy
+    assert critic.training < 86848 * 16 / 2  # far below the fp32 replica's 16 B per parameter
+    ddp = {r.role: r for r in role_memory(_run(algo="ppo"), Layout("ddp", False, 1, 4), 80.0).roles}
+    assert ddp["critic (separate)"].training == 86848 * 16  # fp32 weights + gradients + fp32 AdamW, replicated
+    assert ddp["reference"].training == 86848 * 2
     shared = role_memory(_run(algo="ppo", critic_mode="shared_base", lora_rank=8), Layout(), 80.0)
     assert {r.role for r in shared.roles} >= {"critic (shared base)", "policy base (frozen)"}
     assert "reference" not in {r.role for r in shared.roles}  # a LoRA policy's reference is its base
@@ -188,12 +194,16 @@ def test_model_directory_without_config_names_the_flag(tmp_path):
 
 
 def test_seven_b_ppo_critic_replica_costs_what_the_scale_issue_measured():
-    """A separate 7B critic in fp32 with fp32 AdamW: 16 B x 6.74e9 = 100.4 GiB per GPU (the "~112 GB")."""
+    """A separate 7B critic replicated in fp32 with fp32 AdamW (DDP): 16 B x 6.74e9 = 100.4 GiB per GPU (the
+    "~112 GB"); under ZeRO-3 on 8 GPUs it is sharded like the policy and the run fits."""
     model = ModelShape(layers=32, hidden=4096, heads=32, vocab=32000, intermediate=11008)
-    result = role_memory(RunSpec(model, algo="ppo"), Layout("zero3", False, 1, 8), 80.0)
+    result = role_memory(RunSpec(model, algo="ppo"), Layout("ddp", False, 1, 8), 80.0)
     critic = {r.role: r for r in result.roles}["critic (separate)"]
     assert math.isclose(critic.training / 1e9, 16 * 6.738415616, rel_tol=1e-9)
     assert not result.fits
+    sharded = role_memory(RunSpec(model, algo="ppo"), Layout("zero3", False, 1, 8), 80.0)
+    critic = {r.role: r for r in sharded.roles}["critic (separate, sharded)"]
+    assert critic.training / 1e9 < 16 * 6.738415616 / 4
 
 
 def test_an_engine_share_too_small_for_its_weights_cannot_start():

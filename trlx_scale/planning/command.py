@@ -62,7 +62,9 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     run.add_argument(
         "--sharded-ppo-roles",
         action="store_true",
-        help="plan PPO's critic and reference sharded like the policy (this version keeps them as replicas)",
+        default=None,
+        help="plan PPO's separate critic sharded like the policy under FSDP2 too (trlx_scale shards it under "
+        "DeepSpeed and keeps a replica under FSDP2)",
     )
     run.add_argument("--reward-model-params", type=float, help="parameters of a reward model (absent: functions)")
     run.add_argument("--prompt-length", type=int, default=512)

@@ -28,10 +28,12 @@ Formulas (N = data-parallel GPUs; P = parameters; T = trainable parameters (P, o
   2 x layers x KV heads x head_dim x bytes. Asleep (``enable_sleep_mode``), level 1 moves its weights to host RAM
   and drops the KV cache; level 2 drops both, so during training it holds (almost) nothing on the GPU. Without
   sleep mode it keeps its share during training too. On CPU the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB.
-- Roles as trlx_scale builds them in this version: GRPO/DPO references follow TRL (prepared like the policy:
-  sharded under ZeRO-3/FSDP2); PPO's full-fine-tuning reference and its separate critic are replicas on every GPU
-  (the critic in fp32 with an fp32 AdamW, 16 bytes per parameter); a LoRA policy's reference is its own base
-  (adapters disabled: nothing extra); ``shared_base`` puts the critic's adapter and value head on the policy's base.
+- Roles as trlx_scale builds them: references and reward models are prepared as TRL prepares them (sharded under
+  ZeRO-3/FSDP2), PPO's included. PPO's separate critic is trained by the policy's machinery: under DeepSpeed a
+  second engine from the policy's config (sharded and in the policy's precision, like it); under DDP, and under
+  FSDP2 in this version, an fp32 replica on every GPU with an fp32 AdamW (16 bytes per parameter). A LoRA policy's
+  reference is its own base (adapters disabled: nothing extra); ``shared_base`` puts the critic's adapter and value
+  head on the policy's base, in the policy's optimizer.
 - Runtime: the CUDA context, NCCL buffers and allocator fragmentation (plus vLLM's CUDA graphs when colocated)
   are a flat ``runtime_overhead_gib`` per GPU: a margin (default 2 GiB), not a derivation; set it from
   ``nvidia-smi`` on your cluster.
@@ -83,7 +85,8 @@ class RunSpec:
     runtime_overhead_gib: float = 2.0
     trainable_params: int | None = None  # counted by a live trainer (else: all, or the LoRA formula)
     compute_bytes: int | None = None  # activation dtype (else: by precision)
-    sharded_roles: bool = False  # PPO reference and critic prepared like the policy (instead of replicas)
+    # PPO's critic sharded like the policy (None: as trlx_scale does it, under DeepSpeed; True plans it for FSDP2 too).
+    sharded_roles: bool | None = None
     zero3_init: bool = True  # ZeRO-3 builds the model partitioned (zero3_init_flag); off: each rank loads it whole
 
     def validate(self) -> None:
@@ -241,6 +244,16 @@ def state_bytes_per_param(precision: str, backend: str) -> tuple[int, int, int, 
     return weights, grads, masters, moments
 
 
+def critic_sharded(run: RunSpec, backend: str) -> bool:
+    """Whether PPO's separate critic is sharded like the policy: under DeepSpeed (its own engine from the policy's
+    config), unless the run says otherwise; under DDP it is a replica by definition."""
+    if backend == "ddp":
+        return False
+    if run.sharded_roles is not None:
+        return run.sharded_roles
+    return backend in ("zero2", "zero3")
+
+
 def shard_divisors(backend: str, gpus: int) -> tuple[int, int]:
     """(weights, gradients and optimizer state) are split over this many GPUs: ZeRO-3/FSDP2 shard all three,
     ZeRO-2 the last two, DDP nothing."""
@@ -376,14 +389,12 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
 
     # Reference and reward models.
     if run.has_reference and not lora:
-        # PPO's full-FT reference is a replica in this version (unless planning sharded roles); TRL's are prepared.
-        replica = run.algo == "ppo" and not run.sharded_roles
+        # Every reference is prepared as TRL prepares its own (PPO's too): sharded under ZeRO-3/FSDP2.
+        replica = False
         ref = frozen_copy(total, compute, backend, gpus, sharded_like_policy=not replica)
         if not replica and backend == "zero3":
             ref += gathered_working_set(model, compute, backend)  # its forward gathers like the policy's
         add("reference", ref, formula=f"{_n(total)} x {compute} B" + (" (replica)" if replica else f" / {shard_all}"))
-        if replica and backend in ("zero3", "fsdp2"):
-            notes.append("PPO's full-fine-tuning reference is a replica on every GPU in this version (not sharded).")
     if run.reward_model is not None:
         rm = run.reward_model.complete().total_params
         add("reward model", frozen_copy(rm, compute, backend, gpus, True), formula=f"{_n(rm)} x {compute} B")
@@ -393,8 +404,8 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
         if run.critic_mode == "shared_base":
             critic_params = trainable + model.hidden + 1
             add("critic (shared base)", critic_params * 16, formula="adapter + value head, fp32 + fp32 AdamW")
-        elif run.sharded_roles:
-            # As the policy: same precision, same sharding (the design of the scale issue, not this version's).
+        elif critic_sharded(run, backend):
+            # A DeepSpeed engine built from the policy's config: same precision, same sharding.
             critic_trainable = model.lora_params(run.lora_rank or 16, run.lora_targets) if run.critic_lora else total
             critic_state = training_state(critic_trainable, run.precision, backend, layout.offload, gpus)
             base = total * compute / shard_all if run.critic_lora else 0.0
@@ -417,8 +428,8 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
                 generation=critic_weights + critic_trainable * 8,
                 formula=f"fp32 replica: {_n(total)} x 4 B + {_n(critic_trainable)} trainable x 12 B",
             )
-            if gpus > 1:
-                notes.append("PPO's separate critic is an fp32 replica on every GPU in this version (not sharded).")
+            if gpus > 1 and backend == "fsdp2":
+                notes.append("PPO's separate critic is an fp32 DDP replica under FSDP2 in this version (not sharded).")
 
     # Colocated engine.
     if run.uses_engine:

@@ -22,6 +22,7 @@ policy's optimizer in a group of their own (``PPOTrainer.create_optimizer``).
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from typing import Any
 
@@ -29,6 +30,8 @@ import torch
 from torch import nn
 
 from .critic import SeparateCritic, critic_state, load_critic_state
+
+logger = logging.getLogger(__name__)
 
 DEEPSPEED_CRITIC_TAG = "critic_deepspeed"  # the critic engine's subfolder of a checkpoint
 
@@ -66,6 +69,11 @@ class DistributedCritic:
                 critic, optimizer, accelerator, max_grad_norm, gradient_accumulation_steps, micro_batch_size
             )
         elif accelerator.num_processes > 1:
+            if accelerator.distributed_type == DistributedType.FSDP:
+                logger.warning(
+                    "PPO's separate critic is a DDP replica under FSDP in this version (not sharded): each GPU holds "
+                    "all of it. DeepSpeed ZeRO-3 shards it, or use critic_mode='shared_base'."
+                )
             self.backend = "ddp"
             device_ids = [accelerator.device.index] if accelerator.device.type == "cuda" else None
             self.module = nn.parallel.DistributedDataParallel(critic, device_ids=device_ids)
