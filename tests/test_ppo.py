@@ -286,3 +286,18 @@ def test_shared_base_refuses_ddp_unused_parameter_search(tmp_path):
     with pytest.raises(ValueError, match="leave ddp_find_unused_parameters unset"):
         _args(tmp_path, critic_mode="shared_base", ddp_find_unused_parameters=True)
     assert _args(tmp_path, critic_mode="shared_base").ddp_find_unused_parameters is False
+
+
+def test_separate_critic_freezes_an_untied_lm_head():
+    """The value head reads hidden states: an untied LM head would be a trainable parameter no loss reaches (Adam
+    state for nothing, and a DDP error); a tied one is the input embedding and stays trainable."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trlx_scale.ppo.critic import SeparateCritic
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=50)
+    untied = SeparateCritic(LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False)))
+    names = set(untied.named_trainable_parameters())
+    assert "model.lm_head.weight" not in names and "model.model.embed_tokens.weight" in names
+    tied = SeparateCritic(LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True)))
+    assert tied.model.lm_head.weight.requires_grad

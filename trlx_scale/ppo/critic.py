@@ -56,6 +56,11 @@ class SeparateCritic(nn.Module):
         super().__init__()
         self.model = model
         self.head = ValueHead(_hidden_size(model))
+        # The value head reads the backbone's hidden states: an untied LM head is never used. Frozen, it gets no
+        # gradient or Adam state, and DDP (which requires every trainable parameter to take part) accepts it.
+        output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        if output is not None and output.weight is not embedding.weight:
+            output.weight.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # The forward is the values, so that a DDP wrapper or a DeepSpeed engine around the critic runs it.
