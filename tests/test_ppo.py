@@ -242,7 +242,7 @@ def test_shared_base_needs_a_lora_policy(default_model_dir, tmp_path):
 
 def test_policy_and_reference_follow_the_requested_dtype(default_model_dir, tmp_path):
     """examples/ppo.py --dtype bfloat16 reaches the policy through model_init_kwargs; the frozen reference copy
-    follows the policy's dtype (the critic and its value head stay fp32: docs/ppo.md)."""
+    follows the policy's dtype (the critic and its value head stay fp32 without fp32_master_weights: docs/ppo.md)."""
     trainer = _trainer(default_model_dir, tmp_path, peft=False, model_init_kwargs={"dtype": "bfloat16"})
     assert trainer.model.dtype == torch.bfloat16
     assert trainer.ppo_ref_model.dtype == torch.bfloat16
@@ -301,3 +301,19 @@ def test_separate_critic_freezes_an_untied_lm_head():
     assert "model.lm_head.weight" not in names and "model.model.embed_tokens.weight" in names
     tied = SeparateCritic(LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True)))
     assert tied.model.lm_head.weight.requires_grad
+
+
+def test_separate_critic_follows_fp32_master_weights(default_model_dir, tmp_path):
+    """With fp32_master_weights the policy is held in bf16 with fp32 masters; the separate critic does the same
+    (bf16 compute, FP32MasterAdamW), and training moves its masters."""
+    from trlx_scale.optim.master_weights import FP32MasterAdamW
+
+    trainer = _trainer(default_model_dir, tmp_path, fp32_master_weights=True, optim_preset=None, max_steps=2)
+    assert trainer._policy().dtype == torch.bfloat16
+    assert {p.dtype for p in trainer.critic.model.parameters()} == {torch.bfloat16}
+    optimizer = trainer.critic_training.optimizer
+    assert isinstance(optimizer, FP32MasterAdamW)
+    before = [m.detach().clone() for m in optimizer.master_params]
+    trainer.train()
+    assert all(m.dtype == torch.float32 for m in optimizer.master_params)
+    assert any(not torch.equal(a, b) for a, b in zip(before, optimizer.master_params, strict=True))

@@ -1,6 +1,6 @@
 """2 processes x B/2 rows train like 1 process x B rows (through `accelerate launch`, 3 steps of each example): the
 same rewards, losses and gradient norms up to float rounding, for GRPO (colocated engine), PPO (separate full critic,
-separate LoRA critic, shared-base critic; under DDP, and under DeepSpeed ZeRO-3 where each role is partitioned),
+separate LoRA critic, shared-base critic; each under DDP and under DeepSpeed ZeRO-3, where every role is partitioned),
 DPO offline and online.
 
 What makes it hold: per-request vLLM seeds keyed on the request's row in the global batch (the same samples whatever
@@ -61,6 +61,7 @@ def _single_process(example: str, extra: list[str], tmp_path_factory) -> list[di
         ("ppo", "ppo.py", [], "cpu_ddp.yaml", 29632),
         ("ppo", "ppo.py", [], "cpu_zero3.yaml", 29635),
         ("ppo", "ppo.py", ["--critic_use_peft", "true"], "cpu_ddp.yaml", 29636),
+        ("ppo", "ppo.py", ["--critic_use_peft", "true"], "cpu_zero3.yaml", 29639),
         ("ppo", "ppo.py", ["--critic_mode", "shared_base"], "cpu_ddp.yaml", 29637),
         ("ppo", "ppo.py", ["--critic_mode", "shared_base"], "cpu_zero3.yaml", 29638),
         ("dpo", "dpo.py", [], "cpu_ddp.yaml", 29633),
@@ -71,6 +72,7 @@ def _single_process(example: str, extra: list[str], tmp_path_factory) -> list[di
         "ppo-ddp",
         "ppo-zero3",
         "ppo-lora-critic-ddp",
+        "ppo-lora-critic-zero3",
         "ppo-shared-ddp",
         "ppo-shared-zero3",
         "dpo-ddp",

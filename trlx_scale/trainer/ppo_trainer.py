@@ -174,7 +174,7 @@ class PPOTrainer(GRPOTrainer):
     def _critic_dtype(self) -> torch.dtype:
         """fp32, unless the policy trains bf16 weights with fp32 masters (``fp32_master_weights``): then the critic
         does the same (bf16 compute, ``FP32MasterAdamW``). Under DeepSpeed the engine's precision config rules."""
-        if getattr(self.args, "fp32_master_weights", False) and self._policy().dtype != torch.float32:
+        if self.args.uses_fp32_master_weights and self._policy().dtype != torch.float32:
             return self._policy().dtype
         return torch.float32
 
