@@ -99,11 +99,11 @@ def model_state_gib(trainer) -> dict[str, float]:
     state, counted tensor by tensor. DDP's gradient buckets (one more copy of the gradients) are not counted."""
     policy = trainer.model_wrapped
     policy_module = getattr(policy, "module", policy)
-    deepspeed = critic_backend = trainer.critic_training.backend == "deepspeed"
+    deepspeed = trainer.critic_training.backend == "deepspeed"  # then policy and critic are both DeepSpeed engines
     # A DeepSpeed engine's ZeRO optimizer, or the torch optimizer inside Accelerate's wrapper.
     policy_optimizer = policy.optimizer if deepspeed else trainer.optimizer.optimizer
     critic = trainer.critic_training
-    critic_optimizer = critic.module.optimizer if critic_backend else critic.optimizer
+    critic_optimizer = critic.module.optimizer if deepspeed else critic.optimizer
     reference = trainer.ppo_ref_model
     reference = getattr(reference, "module", reference)
     gib = {
