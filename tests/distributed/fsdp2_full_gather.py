@@ -14,7 +14,7 @@ from trlx_scale.generation.weight_sync import full_weight_stream, is_fsdp2_shard
 from trlx_scale.tasks.default_model import default_model_path
 
 
-def main(report_path: str) -> None:
+def main() -> dict:
     dist.init_process_group("gloo")
     reference = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
     expected = {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -39,8 +39,9 @@ def main(report_path: str) -> None:
         "bytes": counter["bytes"],
         "expected_bytes": sum(p.numel() * 2 for p in expected.values()),
     }
-    finish(report, report_path)
+    return report
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    # main() returns first, so the sharded model and its pending collectives are freed while the group is alive.
+    finish(main(), sys.argv[1])

@@ -28,7 +28,7 @@ def build():
     return model
 
 
-def main(report_path: str) -> None:
+def main() -> dict:
     dist.init_process_group("gloo")
     reference = {k: v.clone() for k, v in get_peft_model_state_dict(build()).items()}
     model = build()
@@ -47,8 +47,9 @@ def main(report_path: str) -> None:
         "bytes_sent": sent,
         "adapter_bytes": sum(v.numel() * 4 for v in reference.values()),
     }
-    finish(report, report_path)
+    return report
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    # main() returns first, so the sharded model and its pending collectives are freed while the group is alive.
+    finish(main(), sys.argv[1])

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from trlx_scale.optim.distributed_precision import fsdp2_mixed_precision_policy
 
 
-def main(report_path: str) -> None:
+def main() -> dict:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)  # same initial weights on every rank
@@ -51,8 +51,9 @@ def main(report_path: str) -> None:
         )
         / len(full),
     }
-    finish(report, report_path)
+    return report
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    # main() returns first, so the sharded model and its pending collectives are freed while the group is alive.
+    finish(main(), sys.argv[1])
