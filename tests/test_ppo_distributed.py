@@ -1,7 +1,8 @@
 """PPO under DeepSpeed ZeRO-3 on 2 CPU processes (`accelerate launch`, gloo): every role is partitioned like the policy
 (each rank holds about half of the critic's parameters, fp32 masters and Adam moments, and of the reference model),
 the shared-base critic trains as a parameter group of the policy's engine, and a run resumes its critic from a
-checkpoint (the resumed step logs the same loss). The numbers match 1 process in test_process_count_equivalence.py."""
+checkpoint (the resumed step logs the same loss). The numbers match 1 process in test_process_count_equivalence.py.
+Under FSDP2 (raw fully_shard under torchrun) the separate critic is sharded, trains like 1 process and resumes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 
 import pytest
 
-from .helpers.launch import ACCELERATE, REPO_ROOT, run_command
+from .helpers.launch import ACCELERATE, REPO_ROOT, run_command, run_torchrun_report
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "distributed", "ppo_zero3_partitions.py")
 CONFIG = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml")
@@ -56,3 +57,22 @@ def test_ppo_roles_are_partitioned_under_zero3(kind, port, tmp_path):
     if kind == "full":
         for report in reports:
             assert _about_half(report["reference"]), report["reference"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("kind", "port"), [("full", 29536), ("lora", 29537)])
+def test_separate_critic_sharded_by_fsdp2_trains_like_one_process(kind, port, tmp_path):
+    """FSDP2 (raw fully_shard on gloo, 2 processes: Accelerate runs FSDP only on accelerators): the separate critic,
+    full or LoRA, holds half of its trainable parameters and Adam moments per rank as DTensor shards; 3 steps on 2 x 4
+    rows give the losses, pre-clipping gradient norms and parameters of 1 process on 8 rows (fp32, summation order
+    only: 1e-5 relative); a critic resumed from its checkpoint takes the same next step."""
+    report = run_torchrun_report("ppo_fsdp2_critic.py", tmp_path / "critic.json", port=port, arguments=[kind])
+    assert report["all_dtensor"] and report["optimizer_points_at_shards"]
+    assert 0.49 < report["param_fraction"] < 0.51 and 0.49 < report["moment_fraction"] < 0.51
+    assert report["losses"] == pytest.approx(report["reference_losses"], rel=1e-5)
+    assert report["norms"] == pytest.approx(report["reference_norms"], rel=1e-5)
+    assert min(report["norms"]) > 0.5  # above max_grad_norm: the clipped update is what is compared
+    assert report["backbone_change"] > 1e-4 and report["max_param_diff"] < 1e-5
+    assert report["saved_keys"] == ["critic", "critic_optimizer_fsdp2"]
+    assert report["resumed_loss"] == pytest.approx(report["next_loss"], rel=1e-6)
+    assert report["resumed_norm"] == pytest.approx(report["next_norm"], rel=1e-6)

@@ -31,12 +31,13 @@ def read_run_summary(output_dir) -> dict:
         return json.load(handle)
 
 
-def run_torchrun_report(script: str, report_path, port: int) -> dict:
-    """Run tests/distributed/<script> as 2 gloo processes under torchrun and return the JSON report it writes."""
+def run_torchrun_report(script: str, report_path, port: int, arguments: list[str] = ()) -> dict:
+    """Run tests/distributed/<script> as 2 gloo processes under torchrun (``arguments`` first, then the report's
+    path) and return the JSON report it writes."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
     path = os.path.join(REPO_ROOT, "tests", "distributed", script)
     result = subprocess.run(
-        [*command, path, str(report_path)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT
+        [*command, path, *arguments, str(report_path)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT
     )
     assert result.returncode == 0, result.stderr[-4000:]
     with open(report_path) as handle:

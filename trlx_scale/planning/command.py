@@ -59,13 +59,6 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     run.add_argument(
         "--reference", choices=("auto", "yes", "no"), default="auto", help="auto: PPO/DPO yes, GRPO no (beta=0)"
     )
-    run.add_argument(
-        "--sharded-ppo-roles",
-        action="store_true",
-        default=None,
-        help="plan PPO's separate critic sharded like the policy under FSDP2 too (trlx_scale shards it under "
-        "DeepSpeed and keeps a replica under FSDP2)",
-    )
     run.add_argument("--reward-model-params", type=float, help="parameters of a reward model (absent: functions)")
     run.add_argument("--prompt-length", type=int, default=512)
     run.add_argument("--completion-length", type=int, default=512)
@@ -154,7 +147,6 @@ def run_spec_from_args(args: argparse.Namespace, model: ModelShape) -> RunSpec:
         vllm_sleep=not args.no_sleep,
         vllm_sleep_level=args.sleep_level,
         runtime_overhead_gib=args.overhead_gib,
-        sharded_roles=args.sharded_ppo_roles,
     )
 
 

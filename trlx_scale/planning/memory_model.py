@@ -30,10 +30,10 @@ Formulas (N = data-parallel GPUs; P = parameters; T = trainable parameters (P, o
   sleep mode it keeps its share during training too. On CPU the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB.
 - Roles as trlx_scale builds them: references and reward models are prepared as TRL prepares them (sharded under
   ZeRO-3/FSDP2), PPO's included. PPO's separate critic is trained by the policy's machinery: under DeepSpeed a
-  second engine from the policy's config (sharded and in the policy's precision, like it); under DDP, and under
-  FSDP2 in this version, an fp32 replica on every GPU with an fp32 AdamW (16 bytes per parameter). A LoRA policy's
-  reference is its own base (adapters disabled: nothing extra); ``shared_base`` puts the critic's adapter and value
-  head on the policy's base, in the policy's optimizer.
+  second engine from the policy's config, under FSDP2 ``fully_shard`` with the policy's options (sharded and in the
+  policy's precision, like it); under DDP an fp32 replica on every GPU with an fp32 AdamW (16 bytes per parameter).
+  A LoRA policy's reference is its own base (adapters disabled: nothing extra); ``shared_base`` puts the critic's
+  adapter and value head on the policy's base, in the policy's optimizer.
 - Runtime: the CUDA context, NCCL buffers and allocator fragmentation (plus vLLM's CUDA graphs when colocated)
   are a flat ``runtime_overhead_gib`` per GPU: a margin (default 2 GiB), not a derivation; set it from
   ``nvidia-smi`` on your cluster.
@@ -85,8 +85,6 @@ class RunSpec:
     runtime_overhead_gib: float = 2.0
     trainable_params: int | None = None  # counted by a live trainer (else: all, or the LoRA formula)
     compute_bytes: int | None = None  # activation dtype (else: by precision)
-    # PPO's critic sharded like the policy (None: as trlx_scale does it, under DeepSpeed; True plans it for FSDP2 too).
-    sharded_roles: bool | None = None
     zero3_init: bool = True  # ZeRO-3 builds the model partitioned (zero3_init_flag); off: each rank loads it whole
 
     def validate(self) -> None:
@@ -244,14 +242,10 @@ def state_bytes_per_param(precision: str, backend: str) -> tuple[int, int, int, 
     return weights, grads, masters, moments
 
 
-def critic_sharded(run: RunSpec, backend: str) -> bool:
+def critic_sharded(backend: str) -> bool:
     """Whether PPO's separate critic is sharded like the policy: under DeepSpeed (its own engine from the policy's
-    config), unless the run says otherwise; under DDP it is a replica by definition."""
-    if backend == "ddp":
-        return False
-    if run.sharded_roles is not None:
-        return run.sharded_roles
-    return backend in ("zero2", "zero3")
+    config) and FSDP2 (``fully_shard`` with the policy's options); under DDP it is a replica by definition."""
+    return backend in ("zero2", "zero3", "fsdp2")
 
 
 def shard_divisors(backend: str, gpus: int) -> tuple[int, int]:
@@ -404,8 +398,9 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
         if run.critic_mode == "shared_base":
             critic_params = trainable + model.hidden + 1
             add("critic (shared base)", critic_params * 16, formula="adapter + value head, fp32 + fp32 AdamW")
-        elif critic_sharded(run, backend):
-            # A DeepSpeed engine built from the policy's config: same precision, same sharding.
+        elif critic_sharded(backend):
+            # A DeepSpeed engine built from the policy's config, or fully_shard with its FSDP2 options: same
+            # precision, same sharding.
             critic_trainable = model.lora_params(run.lora_rank or 16, run.lora_targets) if run.critic_lora else total
             critic_state = training_state(critic_trainable, run.precision, backend, layout.offload, gpus)
             base = total * compute / shard_all if run.critic_lora else 0.0
@@ -428,8 +423,6 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
                 generation=critic_weights + critic_trainable * 8,
                 formula=f"fp32 replica: {_n(total)} x 4 B + {_n(critic_trainable)} trainable x 12 B",
             )
-            if gpus > 1 and backend == "fsdp2":
-                notes.append("PPO's separate critic is an fp32 DDP replica under FSDP2 in this version (not sharded).")
 
     # Colocated engine.
     if run.uses_engine:

@@ -171,10 +171,10 @@ def _gathered(params: list[nn.Parameter], modifier_rank: int | None = None) -> I
 
 def critic_state(critic: SeparateCritic | SharedBaseCritic) -> dict[str, torch.Tensor]:
     """The critic's trained tensors (value head included), by name: what a checkpoint must hold to resume it.
-    Under ZeRO-3 this gathers, so every rank must call it."""
+    Under ZeRO-3 and FSDP2 this gathers, so every rank must call it."""
     params = critic.named_trainable_parameters()
     with _gathered(list(params.values())):
-        return {name: p.detach().cpu().clone() for name, p in params.items()}
+        return {name: _full_tensor(p).detach().cpu().clone() for name, p in params.items()}
 
 
 @torch.no_grad()
@@ -189,4 +189,22 @@ def load_critic_state(critic: SeparateCritic | SharedBaseCritic, state: dict[str
         )
     with _gathered(list(params.values()), modifier_rank=0):
         for name, param in params.items():
-            param.copy_(state[name])
+            param.copy_(_like(state[name], param))
+
+
+def _full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 parameter (a sharded DTensor) gathered whole (a collective); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out like ``param``: for an FSDP2 DTensor, this rank's shard of it. Every rank read the same
+    checkpoint, so each cuts its own shard (``src_data_rank=None``: no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full

@@ -21,8 +21,9 @@ How each role is distributed (docs/ppo.md has the table and the memory per GPU):
 
 - policy: as TRL prepares it (DDP, a DeepSpeed engine, FSDP).
 - separate critic: prepared on its own by the same machinery (``ppo.critic_training.DistributedCritic``: a DDP
-  replica, or a DeepSpeed engine built from the policy's config, so ZeRO-3 partitions its parameters, gradients and
-  Adam states like the policy's). Why not one module holding policy and critic: see that module's docstring.
+  replica, a DeepSpeed engine built from the policy's config, so ZeRO-3 partitions its parameters, gradients and
+  Adam states like the policy's, or ``fully_shard`` with the policy's FSDP2 options). Why not one module holding policy
+  and critic: see that module's docstring.
 - shared-base critic: its adapter and value head are parameters of the policy's module, trained by the policy's
   optimizer in a parameter group of their own (critic learning rate), reduced and sharded with the policy.
 - reference (full fine-tuning) and reward models: inference-only, prepared as TRL prepares its reference model
@@ -46,7 +47,7 @@ from ..optim.master_weights import FP32MasterAdamW
 from ..optim.presets import get_preset
 from ..ppo.advantages import gae, kl_penalty_rewards, masked_whiten, per_token_kl
 from ..ppo.critic import VALUE_HEAD_MODULE, SeparateCritic, SharedBaseCritic, critic_state, load_critic_state
-from ..ppo.critic_training import DistributedCritic
+from ..ppo.critic_training import CriticBackend, DistributedCritic
 from ..ppo.kl_controller import AdaptiveKLController, FixedKLController
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
@@ -120,7 +121,7 @@ class PPOTrainer(GRPOTrainer):
             self.critic_training = DistributedCritic(
                 self.critic,
                 self._build_critic_optimizer(),
-                self.accelerator,
+                CriticBackend.for_accelerator(self.accelerator),
                 max_grad_norm=args.max_grad_norm,
                 gradient_accumulation_steps=args.gradient_accumulation_steps,
                 micro_batch_size=args.per_device_train_batch_size,
@@ -173,7 +174,10 @@ class PPOTrainer(GRPOTrainer):
 
     def _critic_dtype(self) -> torch.dtype:
         """fp32, unless the policy trains bf16 weights with fp32 masters (``fp32_master_weights``): then the critic
-        does the same (bf16 compute, ``FP32MasterAdamW``). Under DeepSpeed the engine's precision config rules."""
+        does the same (bf16 compute, ``FP32MasterAdamW``). Under DeepSpeed the engine's precision config rules; under
+        FSDP the sharded parameters are the fp32 masters and the mixed-precision policy computes in bf16."""
+        if self.is_fsdp_enabled:
+            return torch.float32
         if self.args.uses_fp32_master_weights and self._policy().dtype != torch.float32:
             return self._policy().dtype
         return torch.float32
