@@ -9,7 +9,8 @@ per generation. Variants, each in its own process (its own engine, its own peak 
 - ``ours``: ``trlx_scale.GRPOTrainer`` with what a user turns on (colocated engine, ``shared_prefix="auto"``) and
   every other option at its default (``vllm_sync_mode``, ``vllm_dtype``);
 - ``ours_lora`` / ``ours_full``: the same with ``vllm_sync_mode`` forced to "lora" / "full";
-- ``ours_fp32`` / ``ours_bf16``: ``ours`` with ``vllm_dtype`` forced to "trainer" (fp32 here) / "auto" (bf16 on CPU).
+- ``ours_fp32`` / ``ours_bf16``: ``ours`` with ``vllm_dtype`` forced to "trainer" (fp32 here) / "auto" (bf16 on CPU);
+- ``ours_old_pass``: ``ours`` with ``old_logprobs_from_loss_pass=False`` (TRL's separate old-policy pass).
 
 Seconds per step come from one clock for every variant (a callback at each step's end); the median over steps after
 the first (warm-up) is a run's figure. Phases: trlx_scale's own ``time/*`` metrics; for TRL the same profiler mixed
@@ -43,7 +44,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in the trainer's process (colocated)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-VARIANTS = ("trl_hf", "trl_vllm", "ours", "ours_lora", "ours_full", "ours_fp32", "ours_bf16")
+VARIANTS = ("trl_hf", "trl_vllm", "ours", "ours_lora", "ours_full", "ours_fp32", "ours_bf16", "ours_old_pass")
 TRL_VARIANTS = ("trl_hf", "trl_vllm")
 
 
@@ -162,6 +163,8 @@ def run_variant(args) -> dict:
             extra["vllm_dtype"] = "trainer"
         elif variant == "ours_bf16":
             extra["vllm_dtype"] = "auto"
+        elif variant == "ours_old_pass":
+            extra["old_logprobs_from_loss_pass"] = False
         config = _config(GRPOConfig, args, output_dir, use_vllm=True, **extra)
         trainer_cls = GRPOTrainer
 

@@ -1,11 +1,12 @@
 """Per-rank peak memory of PPO (full policy, frozen reference copy, separate full critic) at ~30M parameters:
-1 process, 2-process DDP and 2-process DeepSpeed ZeRO-3, side by side (CPU: peak RSS of each rank).
+1 process, 2-process DDP and 2-process DeepSpeed ZeRO-3 (with DeepSpeed's defaults, and with its gathered working set
+capped as the defaults cap a model of billions of parameters), side by side (CPU: peak RSS of each rank).
 
-    python benchmarks/ppo_memory.py --repeats 2            # prints the table, writes --out (JSON)
+    python benchmarks/ppo_memory.py --repeats 3            # prints the table, writes --out (JSON)
 
 Each run is `accelerate launch` of this script in worker mode on a locally built Llama (4 layers, hidden 512, ~30M
 parameters, benchmarks/bench_assets.py), with HF generation (no vLLM engine, whose KV cache is a budget the user sets
-and would hide the roles' memory): 3 PPO steps of 8 rows per rank (2 prompts x 4), 48-token prompts, 16-token
+and would hide the roles' memory): 3 PPO steps of 4 rows per rank (1 prompt x 4), 16-token prompts, 8-token
 completions. A rank reports its peak RSS, its RSS just before the trainer was built (Python, torch, the dataset), and
 the difference: what the trainer's roles (policy, critic, reference, their gradients and Adam states, activations)
 cost it, and the model states each role holds after training (parameters or their partition, gradients, fp32
@@ -32,11 +33,55 @@ sys.path.insert(0, ROOT)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+CAPPED_ZERO3 = "2-process ZeRO-3, working set capped"
 SETUPS = {
     "1 process": ["--num_processes", "1"],
     "2-process DDP": ["--config_file", os.path.join(ROOT, "configs", "accelerate", "cpu_ddp.yaml")],
     "2-process ZeRO-3": ["--config_file", os.path.join(ROOT, "configs", "accelerate", "cpu_zero3.yaml")],
+    CAPPED_ZERO3: None,  # written at run time by capped_zero3_config()
 }
+# DeepSpeed's ZeRO-3 defaults keep up to 10^9 gathered parameters live and reuse them within 10^9: a 30M model stays
+# gathered whole through its step. These caps make it release each layer after use, as the defaults do for a model
+# of billions of parameters: about one decoder layer live (4 layers of ~3.1M), no reuse, no prefetch, 1M-element
+# gradient buckets.
+CAPPED_ZERO3_SECTION = {
+    "stage": 3,
+    "stage3_max_live_parameters": 3_000_000,
+    "stage3_max_reuse_distance": 0,
+    "stage3_prefetch_bucket_size": 0,
+    "reduce_bucket_size": 1_000_000,
+    "stage3_param_persistence_threshold": "auto",
+    "stage3_gather_16bit_weights_on_model_save": True,
+}
+
+
+def capped_zero3_config(directory: str) -> list[str]:
+    """An Accelerate config (2 processes, gloo-friendly like cpu_zero3.yaml) whose DeepSpeed JSON caps the gathered
+    working set; the batch and clipping values stay "auto" (filled from the PPOConfig)."""
+    deepspeed_json = os.path.join(directory, "zero3_capped.json")
+    with open(deepspeed_json, "w") as handle:
+        json.dump(
+            {
+                "zero_optimization": CAPPED_ZERO3_SECTION,
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "train_batch_size": "auto",
+                "train_micro_batch_size_per_gpu": "auto",
+            },
+            handle,
+            indent=1,
+        )
+    config = os.path.join(directory, "zero3_capped.yaml")
+    with open(config, "w") as handle:
+        handle.write(
+            "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+            f"  deepspeed_config_file: {deepspeed_json}\n  zero3_init_flag: false\nnum_processes: 2\n"
+            "num_machines: 1\nmachine_rank: 0\nmain_training_function: main\nuse_cpu: false\n"
+            "rdzv_backend: static\nsame_network: true\n"
+        )
+    return ["--config_file", config]
+
+
 PROMPT_TOKENS, COMPLETION_TOKENS = 16, 8
 
 
@@ -176,7 +221,8 @@ def run_setup(name: str, port: int) -> list[dict]:
     env = dict(os.environ)
     for variable in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         env.pop(variable, None)
-    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", *SETUPS[name]]
+    setup = SETUPS[name] or capped_zero3_config(os.path.dirname(output))
+    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", *setup]
     command += ["--main_process_port", str(port), os.path.abspath(__file__), "--worker", output]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:

@@ -28,6 +28,8 @@ NEW_METHODS = {
         "_score_rollout",
         "_is_reference_pass",
         "_logps_and_entropies_pass",
+        "_defers_old_logprobs",
+        "_deferred_correction",
         "_save_extra_state",
         "_load_extra_state",
     },
@@ -62,6 +64,7 @@ NEW_METHODS = {
         "_extra_gradients_finite",
         "_sum_across_ranks",
         "_on_skipped_step",
+        "_defers_old_logprobs",
     },
     ColocatedVLLMGeneration: {
         "set_rollout_seed",
@@ -311,3 +314,38 @@ def test_trl_generate_drives_the_llm_the_way_grouped_llm_expects():
     llm_calls = sorted(set(re.findall(r"self\.llm\.(\w+)\(", source)))
     assert llm_calls == ["generate", "sleep", "wake_up"], llm_calls
     assert "extract_logprobs(all_outputs)" in source and "output.prompt_token_ids" in source
+
+
+def test_old_logprob_pass_skip_still_matches_trl():
+    """compat/old_logprob_pass.py turns the trainer's vllm_importance_sampling_correction off for one rollout so that
+    TRL skips its old-policy pass, and the loss pass computes the correction (losses/vllm_importance_sampling.py,
+    TRL's formulas). This pins what that relies on: the attribute decides the pass, the ratio, the metrics and the
+    output key; vLLM's log-probs still reach the batch; the loss reads the ratio after its log-prob pass."""
+    from trlx_scale.compat import old_logprob_pass
+
+    assert old_logprob_pass.supported(), f"compat/old_logprob_pass.py was checked on TRL 1.16, not {trl.__version__}"
+    source = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    flat = re.sub(r"\s+", " ", source)
+    assert (
+        "if self.args.gradient_accumulation_steps % generate_every != 0 or ( self.use_vllm and "
+        "self.vllm_importance_sampling_correction ):" in flat
+    )
+    assert flat.count("self.vllm_importance_sampling_correction") == 4  # pass, ratio, metrics, output key
+    assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in source
+    for line in (  # the formulas losses/vllm_importance_sampling.py mirrors
+        "per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask",
+        "per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)",
+        "per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)",
+        "vllm_importance_sampling_ratio = torch.exp(logps_diff)",
+        'sequence_level_is = self.vllm_importance_sampling_mode in ["sequence_mask", "sequence_truncate"]',
+        "delta = torch.abs(old_per_token_logps - sampling_per_token_logps)",
+    ):
+        assert line in source, line
+    loss = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    logps_at = loss.index("self._get_per_token_logps_and_entropies(")
+    ratio_at = loss.index('per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]')
+    assert logps_at < ratio_at
+    assert (
+        'if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":'
+        in (loss[logps_at:ratio_at])
+    )

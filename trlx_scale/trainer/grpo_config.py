@@ -31,7 +31,8 @@ class GRPOConfig(
     - engine fields shared with `DPOConfig`/`PPOConfig` (`ColocatedEngineFields`): `vllm_cpu_kvcache_space`,
       `vllm_dtype`, `vllm_enforce_eager`, `vllm_sync_mode`, `vllm_sleep_level`, `vllm_sync_bucket_mb`;
     - optimizer fields shared with them (`OptimizerPresetFields`): `optim_preset`, `fp32_master_weights`;
-    - GRPO's own: `offload_optimizer_during_generation`, `loss_recipe` (`"gspo"`), `shared_prefix`; and
+    - GRPO's own: `offload_optimizer_during_generation`, `loss_recipe` (`"gspo"`), `shared_prefix`,
+      `old_logprobs_from_loss_pass`; and
       `importance_sampling_level` also accepts `"sequence_token"` (GSPO-token).
     """
 
@@ -61,6 +62,18 @@ class GRPOConfig(
             "else off with the reason logged once; 'true': on, or an error naming what prevents it; 'false': TRL's "
             "duplicated pass.",
             "choices": ["false", "true", "auto"],
+        },
+    )
+    old_logprobs_from_loss_pass: bool = field(
+        default=True,
+        metadata={
+            "help": "With vLLM's importance-sampling correction on and generation aligned with optimizer steps "
+            "(gradient_accumulation_steps a multiple of steps_per_generation x num_iterations), the loss pass runs "
+            "with the weights that generated the batch, so its detached log-probs are the old-policy log-probs. "
+            "True: skip TRL's separate old-policy pass over the batch and compute the correction and its sampling/* "
+            "metrics in the loss pass (the same quantities up to float rounding; one forward pass less per "
+            "generation: 15 percent of a step in benchmarks/grpo_step.py). False: TRL's extra pass. Unaligned runs "
+            "always take TRL's pass.",
         },
     )
 

@@ -18,12 +18,15 @@ import torch
 from accelerate.utils import send_to_device
 from transformers.utils import logging
 from trl import GRPOTrainer as TRLGRPOTrainer
+from trl.trainer.utils import nanmax, nanmin
 
+from ..compat import old_logprob_pass
 from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.weight_sync import is_peft_model
 from ..hub.push import HubPushMixin
 from ..losses.policy_losses import log_importance_weights
+from ..losses.vllm_importance_sampling import importance_sampling_statistics, vllm_importance_sampling_ratio
 from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..planning.trainer_memory import PlannedMemoryMixin
 from ..prefix.shared_prefix import can_share_prefix, shared_prefix_logps, shared_token_ratio, unsupported_reason
@@ -178,9 +181,51 @@ class GRPOTrainer(
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        if self._defers_old_logprobs():
+            # TRL's separate old-policy pass is skipped; the loss pass fills the correction (_deferred_correction).
+            with old_logprob_pass.old_logprob_pass_skipped(self):
+                output = super()._generate_and_score_completions(inputs)
+        else:
+            output = super()._generate_and_score_completions(inputs)
         rewards_per_func, self._rollout_rewards_per_func = self._rollout_rewards_per_func, None
         return self._score_rollout(output, rewards_per_func)
+
+    def _defers_old_logprobs(self) -> bool:
+        """Seam: whether vLLM's importance-sampling correction comes from the loss pass instead of TRL's separate
+        old-policy pass (``old_logprobs_from_loss_pass``). Valid when the loss pass runs with the weights that
+        generated the batch: TRL's own alignment condition (it then takes the loss pass's detached log-probs as the
+        old ones itself, without vLLM). PPO needs its old log-probs in the rollout (KL rewards) and overrides this."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction and old_logprob_pass.supported()):
+            return False
+        if not option(self.args, GRPOConfig, "old_logprobs_from_loss_pass"):
+            return False
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every == 0
+
+    def _deferred_correction(self, logps: torch.Tensor, inputs: dict) -> None:
+        """vLLM's importance-sampling correction of a batch whose old-policy pass was skipped, from the loss pass's
+        log-probs (detached: they are the old ones), put where TRL's loss reads it; and TRL's sampling/* metrics.
+        A no-op for a batch that already has its correction (TRL's pass ran)."""
+        if "importance_sampling_ratio" in inputs or "sampling_per_token_logps" not in inputs:
+            return
+        if not self._defers_old_logprobs():
+            return
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        old, sampling = logps.detach(), inputs["sampling_per_token_logps"]
+        mode = self.vllm_importance_sampling_mode
+        ratio = vllm_importance_sampling_ratio(
+            old, sampling, mask, mode, self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        )
+        inputs["importance_sampling_ratio"] = ratio
+        stats = importance_sampling_statistics(old, sampling, ratio, mask, mode)
+        gather = self.accelerator.gather
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        # Reduced across ranks as TRL reduces them.
+        metrics["sampling/sampling_logp_difference/mean"].append(gather(stats["gap_mean"]).mean().item())
+        metrics["sampling/sampling_logp_difference/max"].append(gather(stats["gap_max"]).max().item())
+        metrics["sampling/importance_sampling_ratio/min"].append(nanmin(gather(stats["ratio_min"])).item())
+        metrics["sampling/importance_sampling_ratio/mean"].append(gather(stats["ratio_mean"]).nanmean().item())
+        metrics["sampling/importance_sampling_ratio/max"].append(nanmax(gather(stats["ratio_max"])).item())
 
     def _score_rollout(self, output: dict, rewards_per_func: torch.Tensor) -> dict:
         """Seam: a subclass adds its own per-rollout quantities to TRL's batch (PPO: KL-penalized rewards, values,
@@ -279,6 +324,7 @@ class GRPOTrainer(
                 image_position_ids=image_position_ids,
             )
         if self._loss_pass_inputs is not None:
+            self._deferred_correction(logps, self._loss_pass_inputs)  # from the raw log-probs, before any seam
             logps = self._postprocess_loss_logps(logps, self._loss_pass_inputs)
         return logps, entropies, aux_loss
 

@@ -319,6 +319,10 @@ class PPOTrainer(GRPOTrainer):
         ]
         return torch.cat(chunks)[:, -length - 1 : -1]
 
+    def _defers_old_logprobs(self) -> bool:
+        # The rollout needs the old-policy log-probs themselves (the KL-penalized rewards), before any loss pass.
+        return False
+
     # ------------------------------------------------------------------ loss: policy (TRL) + value
 
     def _postprocess_loss_logps(self, logps, inputs):

@@ -1,0 +1,71 @@
+"""vLLM's importance-sampling correction (TRL's ``vllm_importance_sampling_correction``) from given log-probs.
+
+vLLM samples a batch with its own numerics; the trainer's log-probs of the same tokens differ slightly (precision,
+kernels) or a lot (a stale engine). TRL corrects for it by weighting each token's loss with
+``exp(old - sampling)`` (per token, or summed per sequence), truncated or masked to
+``[vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max]``, and logs the gap and the ratios.
+
+TRL computes this inline in ``_generate_and_score_completions``, from an extra old-policy pass over the whole batch.
+``GRPOTrainer`` computes the same quantities in the loss pass when that pass runs with the weights that generated the
+batch (``old_logprobs_from_loss_pass``): the loss pass's detached log-probs are then the old log-probs. The formulas
+here follow TRL 1.16's lines; ``tests/test_old_logprobs_from_loss_pass.py`` checks them against TRL's own path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def is_sequence_level(mode: str) -> bool:
+    return mode in ("sequence_truncate", "sequence_mask")
+
+
+def vllm_importance_sampling_ratio(
+    old_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
+    """The correction weights: (B, T) for token modes, (B, 1) for sequence modes. ``mask``: the completion tokens
+    (times the tool mask). A token vLLM could not score (NaN) gets a zero difference: ratio 1, no correction."""
+    if mode not in MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {MODES}, got {mode!r}.")
+    difference = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+    if is_sequence_level(mode):
+        difference = difference.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(difference)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def importance_sampling_statistics(
+    old_logps: torch.Tensor, sampling_logps: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, mode: str
+) -> dict[str, torch.Tensor]:
+    """This rank's statistics, as TRL logs them (before its gathers): the mean and max absolute log-prob gap over the
+    scored completion tokens, and the min/mean/max ratio (over tokens, or sequences in a sequence mode). An empty
+    selection gives 0."""
+    mask = mask.bool()
+    delta = torch.abs(old_logps - sampling_logps)
+    delta = delta[mask & ~torch.isnan(delta)]
+    ratios = ratio.flatten() if is_sequence_level(mode) else ratio[mask]
+    zero = torch.tensor(0.0, device=old_logps.device)
+
+    def reduce(values: torch.Tensor, how) -> torch.Tensor:
+        return how(values) if values.numel() > 0 else zero
+
+    return {
+        "gap_mean": reduce(delta, torch.mean),
+        "gap_max": reduce(delta, torch.max),
+        "ratio_min": reduce(ratios, torch.min),
+        "ratio_mean": reduce(ratios, torch.mean),
+        "ratio_max": reduce(ratios, torch.max),
+    }
