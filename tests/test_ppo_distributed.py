@@ -76,3 +76,32 @@ def test_separate_critic_sharded_by_fsdp2_trains_like_one_process(kind, port, tm
     assert report["saved_keys"] == ["critic", "critic_optimizer_fsdp2"]
     assert report["resumed_loss"] == pytest.approx(report["next_loss"], rel=1e-6)
     assert report["resumed_norm"] == pytest.approx(report["next_norm"], rel=1e-6)
+
+
+def test_critic_backend_follows_the_accelerators_fsdp_plugin(caplog):
+    """Under Accelerate's FSDP2 the critic is sharded with the policy's own fully_shard options (the plugin's
+    resharding, offload and mixed-precision policy, as accelerate.utils.fsdp2_prepare_model passes them); FSDP1
+    keeps a DDP replica and says so. (Accelerate runs FSDP only on accelerators: its state is stood in for here.)"""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from trlx_scale.ppo.critic_training import CriticBackend
+
+    def accelerator(plugin):
+        state = SimpleNamespace(fsdp_plugin=plugin)
+        return SimpleNamespace(
+            distributed_type=DistributedType.FSDP, state=state, num_processes=2, device=torch.device("cpu")
+        )
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy="bf16", cpu_offload=True)
+    backend = CriticBackend.for_accelerator(accelerator(plugin))
+    assert backend.kind == "fsdp2" and backend.num_processes == 2
+    assert backend.fsdp2_kwargs["mp_policy"].param_dtype == torch.bfloat16
+    assert backend.fsdp2_kwargs["offload_policy"] is plugin.cpu_offload
+    assert backend.fsdp2_kwargs["reshard_after_forward"] is True and "mesh" not in backend.fsdp2_kwargs
+    with caplog.at_level(logging.WARNING, logger="trlx_scale.ppo.critic_training"):
+        legacy = CriticBackend.for_accelerator(accelerator(FullyShardedDataParallelPlugin(fsdp_version=1)))
+    assert legacy.kind == "ddp" and "DDP replica under FSDP1" in caplog.text

@@ -285,10 +285,9 @@ def _fsdp2_kwargs(plugin: Any, accelerator: Any) -> dict:
 
     kwargs = {
         "reshard_after_forward": plugin.reshard_after_forward,
+        "offload_policy": plugin.cpu_offload,  # an OffloadPolicy for FSDP2 (Accelerate's plugin converts a bool)
         "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
     }
-    if plugin.cpu_offload is not None:
-        kwargs["offload_policy"] = plugin.cpu_offload
     mesh = getattr(accelerator, "torch_device_mesh", None)
     if mesh is not None:
         kwargs["mesh"] = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
