@@ -183,3 +183,22 @@ class _no_gather:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.distributed
+def test_a_two_process_cpu_launch_without_use_cpu_is_refused(tmp_path):
+    """Without use_cpu on a machine without a GPU, Accelerate forms no process group: each of the 2 launched
+    processes would train alone on the same output_dir. Both refuse, naming the fix."""
+    import subprocess
+
+    from .helpers.launch import ACCELERATE, LAUNCH_VARIABLES, REPO_ROOT
+
+    config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml")
+    script = os.path.join(REPO_ROOT, "tests", "scripts", "launch_without_use_cpu.py")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    command = [ACCELERATE, "launch", "--config_file", config, "--main_process_port", "29538", script, str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    refusals = [line for line in result.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refusals) == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert all("WORLD_SIZE=2" in line and "set use_cpu=True and ddp_backend='gloo'" in line for line in refusals)

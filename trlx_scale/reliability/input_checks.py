@@ -3,6 +3,7 @@ batch that reveals the problem (a dataset is never scanned ahead: it may be stre
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,24 @@ def check_train_dataset(dataset: Any, field: str = "train_dataset") -> None:
         raise ValueError(
             f"{field} is empty (0 rows). Check the dataset split and any filter applied to it (a --train_size of 0, "
             "a length filter that dropped every row)."
+        )
+
+
+def check_launch_matches(args: Any) -> None:
+    """A launcher that started several processes must get a process group of that size. On a machine without a GPU,
+    Accelerate forms one only with ``use_cpu=True`` (gloo; DeepSpeed with ``ddp_backend="gloo"``); without it every
+    process believes it is alone: its gathers are no-ops, it trains on its own share with its own weights, and all of
+    them write the same output_dir. Nothing fails; the run is silently wrong. ``args``: the trainer's config."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched <= 1:
+        return
+    formed = args.world_size  # Accelerate's process count (this sets up the distributed state)
+    if formed != launched:
+        raise ValueError(
+            f"The launcher started {launched} processes (WORLD_SIZE={launched}) but Accelerate set up {formed}: each "
+            "would train alone. On a machine without a GPU set use_cpu=True and ddp_backend='gloo' in the config "
+            "(under DeepSpeed, ddp_backend='gloo' only); trlx_scale.tasks.example_runtime.cpu_launch_defaults() "
+            "returns them."
         )
 
 

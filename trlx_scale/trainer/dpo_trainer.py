@@ -41,7 +41,7 @@ from ..hub.push import HubPushMixin
 from ..planning.trainer_memory import PlannedMemoryMixin
 from ..profiling.trainer_profiling import PhaseProfilerMixin
 from ..reliability.checkpoints import AtomicCheckpointMixin
-from ..reliability.input_checks import check_train_dataset
+from ..reliability.input_checks import check_launch_matches, check_train_dataset
 from ..reliability.nonfinite_guard import NonFiniteGuardMixin
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from .dpo_config import DPOConfig
@@ -108,6 +108,8 @@ class DPOTrainer(
         reward_funcs: Callable | list[Callable] | None = None,
     ):
         check_train_dataset(train_dataset)
+        if args is not None:
+            check_launch_matches(args)
         ours = isinstance(args, DPOConfig)
         self._online = ours and args.online
         self._vllm_ref = ours and args.vllm_ref_log_probs

@@ -32,7 +32,7 @@ from ..planning.trainer_memory import PlannedMemoryMixin
 from ..prefix.shared_prefix import can_share_prefix, shared_prefix_logps, shared_token_ratio, unsupported_reason
 from ..profiling.trainer_profiling import PhaseProfilerMixin
 from ..reliability.checkpoints import AtomicCheckpointMixin
-from ..reliability.input_checks import check_train_dataset
+from ..reliability.input_checks import check_launch_matches, check_train_dataset
 from ..reliability.nonfinite_guard import NonFiniteGuardMixin
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from .grpo_config import GRPOConfig
@@ -105,6 +105,8 @@ class GRPOTrainer(
             args.use_vllm = False
         self._loss_pass_inputs = None  # the batch of the loss pass in progress (see _compute_loss)
         check_train_dataset(train_dataset)
+        if args is not None:
+            check_launch_matches(args)
         # Each synchronous reward function reports its failures on every rank (trlx_scale.reliability).
         reward_funcs = guard_reward_functions(reward_funcs, option(args, GRPOConfig, "reward_errors"))
         super().__init__(
