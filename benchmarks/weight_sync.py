@@ -16,6 +16,7 @@ and a GRPO step's generation (4 prompts of 256 tokens x 8 x 64 tokens) with the 
 (full). Processes alternate order over ``--repeats``.
 
     python benchmarks/weight_sync.py --repeats 2 --inner 3 --json-out /tmp/weight_sync.json
+    python benchmarks/weight_sync.py --sync-only --repeats 3 --inner 5   # the syncs alone: minutes, not hours
 
 Results and the command: docs/benchmarks.md.
 """
@@ -105,6 +106,9 @@ def run_mode(args) -> dict:
         metrics = engine.pop_metrics()
         results["sync_s"].append(metrics["sync/seconds"])
         results["sync_bytes"].append(metrics["sync/bytes"])
+        if args.sync_only:
+            print({k: round(v[-1], 3) for k, v in results.items() if v}, file=sys.stderr, flush=True)
+            continue
 
         engine.llm.inner.reset_prefix_cache()
         start = time.perf_counter()
@@ -125,7 +129,7 @@ def run_mode(args) -> dict:
         results["step_gen_s"].append(time.perf_counter() - start)
         engine.pop_metrics()
         print({k: round(v[-1], 3) for k, v in results.items()}, file=sys.stderr, flush=True)
-    payload = {key: statistics.median(values) for key, values in results.items()}
+    payload = {key: statistics.median(values) for key, values in results.items() if values}
     payload["raw"] = results
     payload["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     payload["params"] = sum(p.numel() for p in trainer.model.parameters())
@@ -140,6 +144,9 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=1024)
     parser.add_argument("--scratch", default="/tmp/trlx_scale_weight_sync")
     parser.add_argument("--json-out", default=None)
+    parser.add_argument(
+        "--sync-only", action="store_true", help="measure the syncs only (the generations with the adapter take hours)"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,7 +168,7 @@ def main() -> None:
             out = os.path.join(args.scratch, f"{mode}.json")
             command = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--result", out]
             command += ["--shape", args.shape, "--inner", str(args.inner), "--long-prompt", str(args.long_prompt)]
-            command += ["--scratch", args.scratch]
+            command += ["--scratch", args.scratch] + (["--sync-only"] if args.sync_only else [])
             if os.path.exists(out):
                 os.remove(out)
             result = subprocess.run(command, capture_output=True, text=True, timeout=3600)
@@ -172,19 +179,25 @@ def main() -> None:
                 payload = json.load(handle)
             payload.update(mode=mode, repeat=repeat)
             runs.append(payload)
-            print(
-                f"repeat {repeat} {mode}: sync {payload['sync_s']:.3f} s, {payload['sync_bytes'] / 1e6:.1f} MB; "
-                f"n=8 {payload['n8_s']:.2f} s, 8 copies {payload['copies_s']:.2f} s; step generation "
-                f"{payload['step_gen_s']:.2f} s",
-                flush=True,
-            )
+            line = f"repeat {repeat} {mode}: sync {payload['sync_s']:.3f} s, {payload['sync_bytes'] / 1e6:.1f} MB"
+            if not args.sync_only:
+                line += (
+                    f"; n=8 {payload['n8_s']:.2f} s, 8 copies {payload['copies_s']:.2f} s; step generation "
+                    f"{payload['step_gen_s']:.2f} s"
+                )
+            print(line, flush=True)
     summary = {}
-    for key in ("sync_s", "sync_bytes", "n8_s", "copies_s", "step_gen_s", "peak_rss_gb"):
+    keys = ("sync_s", "sync_bytes", "peak_rss_gb")
+    keys += () if args.sync_only else ("n8_s", "copies_s", "step_gen_s")
+    for key in keys:
         summary[key] = {mode: statistics.median(r[key] for r in runs if r["mode"] == mode) for mode in MODES}
     ratios = {}
     for repeat in range(args.repeats):
         pair = {r["mode"]: r for r in runs if r["repeat"] == repeat}
         ratios.setdefault("sync_full_over_lora", []).append(pair["full"]["sync_s"] / pair["lora"]["sync_s"])
+        ratios.setdefault("bytes_full_over_lora", []).append(pair["full"]["sync_bytes"] / pair["lora"]["sync_bytes"])
+        if args.sync_only:
+            continue
         for mode in MODES:
             ratios.setdefault(f"copies_over_n8_{mode}", []).append(pair[mode]["copies_s"] / pair[mode]["n8_s"])
         step = {m: pair[m]["sync_s"] + pair[m]["step_gen_s"] for m in MODES}
