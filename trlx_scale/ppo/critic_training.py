@@ -160,7 +160,7 @@ class DistributedCritic:
         if self.max_grad_norm:
             # FSDP2's gradients are sharded DTensors: the norm is reduced over the shards, the same as unsharded.
             norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm)
-            norm = _local(norm.full_tensor()) if hasattr(norm, "full_tensor") else norm
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.zero_grad()
         return norm

@@ -220,14 +220,15 @@ class GRPOTrainer(
         )
         inputs["importance_sampling_ratio"] = ratio
         stats = importance_sampling_statistics(old, sampling, ratio, mask, mode)
-        gather = self.accelerator.gather
+        # One gather (rows: ranks), then each statistic reduced across ranks as TRL reduces it.
+        ranks = self.accelerator.gather(torch.stack(list(stats.values())).unsqueeze(0)).reshape(-1, len(stats))
+        per_rank = dict(zip(stats, ranks.unbind(dim=1), strict=True))
         metrics = self._metrics["train" if self.model.training else "eval"]
-        # Reduced across ranks as TRL reduces them.
-        metrics["sampling/sampling_logp_difference/mean"].append(gather(stats["gap_mean"]).mean().item())
-        metrics["sampling/sampling_logp_difference/max"].append(gather(stats["gap_max"]).max().item())
-        metrics["sampling/importance_sampling_ratio/min"].append(nanmin(gather(stats["ratio_min"])).item())
-        metrics["sampling/importance_sampling_ratio/mean"].append(gather(stats["ratio_mean"]).nanmean().item())
-        metrics["sampling/importance_sampling_ratio/max"].append(nanmax(gather(stats["ratio_max"])).item())
+        metrics["sampling/sampling_logp_difference/mean"].append(per_rank["gap_mean"].mean().item())
+        metrics["sampling/sampling_logp_difference/max"].append(per_rank["gap_max"].max().item())
+        metrics["sampling/importance_sampling_ratio/min"].append(nanmin(per_rank["ratio_min"]).item())
+        metrics["sampling/importance_sampling_ratio/mean"].append(per_rank["ratio_mean"].nanmean().item())
+        metrics["sampling/importance_sampling_ratio/max"].append(nanmax(per_rank["ratio_max"]).item())
 
     def _score_rollout(self, output: dict, rewards_per_func: torch.Tensor) -> dict:
         """Seam: a subclass adds its own per-rollout quantities to TRL's batch (PPO: KL-penalized rewards, values,
