@@ -175,7 +175,7 @@ class LoRAAdapterSync:
 
         with torch.no_grad(), self.gather_params(self.lora_parameters()):
             state = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
-            tensors = {name: _unsharded(t).detach().to("cpu", self.dtype).contiguous() for name, t in state.items()}
+            tensors = {name: unsharded(t).detach().to("cpu", self.dtype).contiguous() for name, t in state.items()}
         config = self.config.to_dict()
         config["base_model_name_or_path"] = self.model.get_base_model().name_or_path
         config["inference_mode"] = True
@@ -198,7 +198,7 @@ class LoRAAdapterSync:
                 yield name.removeprefix("base_model.model.").replace(".base_layer", ""), param.detach().to(self.dtype)
 
 
-def _unsharded(tensor: torch.Tensor) -> torch.Tensor:
+def unsharded(tensor: torch.Tensor) -> torch.Tensor:
     """FSDP2 shards parameters as DTensors: gather one (a collective: every rank calls it) into a plain tensor."""
     from torch.distributed.tensor import DTensor
 
@@ -229,7 +229,7 @@ def full_weight_stream(
     def flush():
         with torch.no_grad(), gather_params([p for _, p in bucket]):
             for name, param in bucket:
-                tensor = _unsharded(param.detach()).to(dtype)
+                tensor = unsharded(param.detach()).to(dtype)
                 if counter is not None:
                     counter["bytes"] = counter.get("bytes", 0) + tensor.numel() * tensor.element_size()
                 yield name, tensor

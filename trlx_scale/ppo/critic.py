@@ -17,6 +17,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..generation.weight_sync import unsharded
+
 CRITIC_ADAPTER = "critic"
 # The shared-base critic's value head, registered on the policy's PEFT model (so it is sharded and reduced with it).
 # The policy's weight sync leaves it out: vLLM has no such weight.
@@ -174,7 +176,7 @@ def critic_state(critic: SeparateCritic | SharedBaseCritic) -> dict[str, torch.T
     Under ZeRO-3 and FSDP2 this gathers, so every rank must call it."""
     params = critic.named_trainable_parameters()
     with _gathered(list(params.values())):
-        return {name: _full_tensor(p).detach().cpu().clone() for name, p in params.items()}
+        return {name: unsharded(p).detach().cpu().clone() for name, p in params.items()}
 
 
 @torch.no_grad()
@@ -190,13 +192,6 @@ def load_critic_state(critic: SeparateCritic | SharedBaseCritic, state: dict[str
     with _gathered(list(params.values()), modifier_rank=0):
         for name, param in params.items():
             param.copy_(_like(state[name], param))
-
-
-def _full_tensor(param: torch.Tensor) -> torch.Tensor:
-    """An FSDP2 parameter (a sharded DTensor) gathered whole (a collective); any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return param.full_tensor() if isinstance(param, DTensor) else param
 
 
 def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

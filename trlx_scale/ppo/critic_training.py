@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..generation.weight_sync import unsharded
 from .critic import SeparateCritic, critic_state, load_critic_state
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class DistributedCritic:
         if self.max_grad_norm:
             # FSDP2's gradients are sharded DTensors: the norm is reduced over the shards, the same as unsharded.
             norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            norm = unsharded(norm)
         self.optimizer.step()
         self.zero_grad()
         return norm
