@@ -214,3 +214,20 @@ def test_auto_explains_why_it_is_off_and_true_refuses(default_model_dir, tmp_pat
     strict = _trainer(default_model_dir, tmp_path / "true", shared_prefix="true", **reentrant)
     with pytest.raises(ValueError, match="shared_prefix='true' cannot run: gradient checkpointing is reentrant"):
         strict.train()
+
+
+def test_fsdp1_is_refused_and_fsdp2_allowed(default_model_dir, tmp_path):
+    """FSDP2 is verified with the shared pass (tests/test_shared_prefix_sharded.py, raw fully_shard); FSDP1 is not,
+    and the reason names the fix. (Accelerate runs FSDP only on accelerators: its state is stood in for.)"""
+    from types import SimpleNamespace
+
+    trainer = _trainer(default_model_dir, tmp_path, shared_prefix="true")
+    real = trainer.accelerator
+    trainer.is_fsdp_enabled = True
+    try:
+        trainer.accelerator = SimpleNamespace(is_fsdp2=False, unwrap_model=real.unwrap_model)
+        assert "set fsdp_version: 2" in trainer._shared_prefix_blocker(trainer.model, auto=False)
+        trainer.accelerator = SimpleNamespace(is_fsdp2=True, unwrap_model=real.unwrap_model)
+        assert trainer._shared_prefix_blocker(trainer.model, auto=False) is None
+    finally:
+        trainer.accelerator, trainer.is_fsdp_enabled = real, False

@@ -349,3 +349,16 @@ def test_old_logprob_pass_skip_still_matches_trl():
         'if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":'
         in (loss[logps_at:ratio_at])
     )
+
+
+def test_trl_still_forces_reentrant_checkpointing_for_peft_under_zero3():
+    """GRPOTrainer._shared_prefix_blocker refuses the shared pass for PEFT + ZeRO-3 + gradient checkpointing because
+    TRL forces use_reentrant=True there (a DeepSpeed bug breaks the non-reentrant recompute with partitioned frozen
+    weights). When TRL drops that guard, this fails: then check the combination and lift the refusal."""
+    source = re.sub(r"\s+", " ", inspect.getsource(trl.GRPOTrainer.__init__))
+    guard = (
+        "if ( is_peft_model(model) and args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3 "
+        "and args.gradient_checkpointing ):"
+    )
+    assert guard in source
+    assert 'args.gradient_checkpointing_kwargs["use_reentrant"] = True' in source[source.index(guard) :]

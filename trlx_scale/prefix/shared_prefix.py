@@ -4,9 +4,9 @@ A GRPO batch holds G completions per prompt, and TRL scores each row as prompt +
 processed G times in the old-policy, reference and loss passes. Here the rows are grouped by prompt and:
 
 1. the unique prompts, without their last token, run once and leave their key/value states in a cache
-   (``PrefixCapture``);
+   (``_CaptureLayer``);
 2. each row's completion, preceded by the prompt's last token (whose hidden state predicts the first completion
-   token), runs on top of its prompt's states (``SharedPrefixCache``, which gathers the unique states for the rows
+   token), runs on top of its prompt's states (``_SharedPrefixLayer``, which gathers the unique states for the rows
    by index);
 3. the backward of that gather sums the G rows' gradients into the shared states, so the prompt's gradient is the
    group's sum, as in the duplicated computation.
@@ -16,6 +16,15 @@ length, as they do in the full row; the row's full attention mask covers both pa
 equal TRL's up to float rounding (tests/test_shared_prefix.py: 1e-5 relative in fp32, left padding, mixed prompt
 lengths, LoRA, gradient checkpointing, G=1). Both caches are idempotent (capture overwrites, the completion cache only
 reads), which is what lets them pass through gradient-checkpointed layers (``compat.checkpoint_with_cache``).
+
+Sharded parameters: every rank must run the same forwards, so a chunk takes this pass only if every rank's chunk
+can (``all_ranks_can_share``). The prompt's key/value states leave each decoder layer through the cache, not through
+the layer's output, so their backward uses the layer's weights outside the window FSDP2 opens for the layer (its
+pre-backward hook sits on the output; by then the completion's backward has resharded the layer). Under FSDP2 the
+capture therefore hooks those states' gradients to re-gather the layer's weights first (``FSDPModule.unshard``);
+FSDP2's post-backward then reduces the prompt's gradient and reshards. DeepSpeed ZeRO-3 hooks every submodule's
+output (the key/value projections included), so it re-gathers by itself. Exact under both
+(tests/test_shared_prefix_sharded.py).
 """
 
 from __future__ import annotations
@@ -62,11 +71,25 @@ def find_prompt_groups(prefix_ids: torch.Tensor, prefix_mask: torch.Tensor) -> P
 
 class _CaptureLayer(DynamicLayer):
     """Keeps the key/value states of the prefix forward. Overwrites rather than appends, so a checkpoint recompute
-    stores the same states again instead of doubling the cache."""
+    stores the same states again instead of doubling the cache. ``owner``: the decoder layer when FSDP2 shards it,
+    whose weights the states' backward must re-gather (see the module's docstring)."""
+
+    def __init__(self, owner: torch.nn.Module | None = None):
+        super().__init__()
+        self.owner = owner
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.owner is not None and key_states.requires_grad:
+            owner = self.owner
+
+            def regather(grad: torch.Tensor) -> torch.Tensor:
+                owner.unshard()  # a no-op while the layer is still gathered
+                return grad
+
+            key_states.register_hook(regather)
+            value_states.register_hook(regather)
         self.keys, self.values = key_states, value_states
         return key_states, value_states
 
@@ -97,6 +120,19 @@ def shared_token_ratio(input_ids: torch.Tensor, attention_mask: torch.Tensor, lo
         return 1.0
     groups = find_prompt_groups(input_ids[:, :split], attention_mask[:, :split])
     return rows * length / (groups.num_groups * split + rows * (length - split))
+
+
+def _fsdp2_layers(model: torch.nn.Module) -> list[torch.nn.Module | None]:
+    """The decoder layers in order, each where FSDP2 shards it on its own (as Accelerate wraps them), else None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    classes = set(getattr(base, "_no_split_modules", None) or ())
+    # fully_shard swaps a module's class for a subclass (FSDP<Name>): match on the class's ancestry.
+    layers = [m for m in model.modules() if any(c.__name__ in classes for c in type(m).__mro__)]
+    if len(layers) != num_decoder_layers(model):
+        return [None] * num_decoder_layers(model)
+    return [m if isinstance(m, FSDPModule) else None for m in layers]
 
 
 def num_decoder_layers(model: torch.nn.Module) -> int:
@@ -137,14 +173,31 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 def can_share_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> bool:
     """Whether the shared pass has anything to share in this chunk: a prompt of 2+ columns that two rows repeat.
 
-    Under sharded parameters (ZeRO-3, FSDP) every rank must run the same forwards, so the trainer takes the shared
-    pass for a chunk only when this holds on every rank (one all-reduce per chunk)."""
+    Under sharded parameters (ZeRO-3, FSDP2) every rank must run the same forwards, so the trainer takes the shared
+    pass for a chunk only when this holds on every rank (``all_ranks_can_share``)."""
     prompt_length = input_ids.size(1) - logits_to_keep
     if prompt_length < 2:
         return False
     split = prompt_length - 1
     groups = find_prompt_groups(input_ids[:, :split], attention_mask[:, :split])
     return groups.num_groups < input_ids.size(0)
+
+
+def all_ranks_can_share(local: bool, sharded: bool, device: torch.device | str = "cpu") -> bool:
+    """Whether every rank takes the shared pass for its current chunk.
+
+    Under sharded parameters (ZeRO-3, FSDP2) each forward gathers the weights with collectives, so all ranks must run
+    the same forwards: the shared pass (two forwards) runs only if every rank's chunk has a repeated prompt, else
+    every rank takes the duplicated pass. One MAX all-reduce of one number per chunk ("some rank cannot"); none when
+    parameters are not sharded (replicas run their forwards independently). ``device``: where the collective's
+    tensor lives (the accelerator's device under NCCL)."""
+    import torch.distributed as dist
+
+    if not sharded or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    blocked = torch.tensor([0.0 if local else 1.0], device=device)
+    dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
+    return bool(blocked.item() == 0)
 
 
 def shared_prefix_logps(
@@ -169,7 +222,8 @@ def shared_prefix_logps(
     prefix_ids, prefix_mask = input_ids[:, :split], attention_mask[:, :split]
     groups = find_prompt_groups(prefix_ids, prefix_mask)
 
-    capture = Cache(layers=[_CaptureLayer() for _ in range(num_decoder_layers(inner_model))])
+    owners = _fsdp2_layers(inner_model)
+    capture = Cache(layers=[_CaptureLayer(owner) for owner in owners])
     with keep_cache_under_checkpointing(inner_model):
         # logits_to_keep=1: the prefix's own logits are never used, so the LM head runs on one position only.
         model(

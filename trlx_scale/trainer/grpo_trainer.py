@@ -29,7 +29,13 @@ from ..losses.policy_losses import log_importance_weights
 from ..losses.vllm_importance_sampling import importance_sampling_statistics, vllm_importance_sampling_ratio
 from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..planning.trainer_memory import PlannedMemoryMixin
-from ..prefix.shared_prefix import can_share_prefix, shared_prefix_logps, shared_token_ratio, unsupported_reason
+from ..prefix.shared_prefix import (
+    all_ranks_can_share,
+    can_share_prefix,
+    shared_prefix_logps,
+    shared_token_ratio,
+    unsupported_reason,
+)
 from ..profiling.trainer_profiling import PhaseProfilerMixin
 from ..reliability.checkpoints import AtomicCheckpointMixin
 from ..reliability.input_checks import check_launch_matches, check_train_dataset
@@ -349,30 +355,32 @@ class GRPOTrainer(
     def _shared_prefix_blocker(self, model, auto: bool) -> str | None:
         if getattr(self.args, "use_liger_kernel", False):
             return "use_liger_kernel computes the loss in a fused kernel from the full rows' hidden states"
-        if self.is_fsdp_enabled:
+        if self.is_fsdp_enabled and not self.accelerator.is_fsdp2:
             return (
-                "FSDP is not yet verified with the shared pass (DeepSpeed ZeRO-3 is, without gradient checkpointing)"
+                "FSDP1 is not verified with the shared pass (FSDP2 is): set fsdp_version: 2 in the Accelerate config"
             )
-        if self.is_deepspeed_enabled and self.args.gradient_checkpointing:
-            # Measured (docs/shared_prefix.md): under ZeRO-3 with gradient checkpointing the shared pass's loss is
-            # exact but its gradients are not (GRPO example, 2 processes: grad norm 0.30 against 0.50); without
-            # checkpointing, or under DDP with it, they match the duplicated pass.
+        if (
+            self.is_deepspeed_enabled
+            and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+            and self.args.gradient_checkpointing
+            and is_peft_model(self.accelerator.unwrap_model(model))
+        ):
+            # TRL (GRPOTrainer.__init__) forces use_reentrant=True for PEFT under ZeRO-3 with checkpointing, because
+            # DeepSpeed's partitioned frozen weights break the non-reentrant kind's recompute check
+            # (deepspeedai/DeepSpeed#4332); reentrant checkpointing cuts the gradient of the shared states.
             return (
-                "gradient checkpointing under DeepSpeed gives the shared pass wrong gradients (measured); set "
-                "gradient_checkpointing=False to use it under ZeRO-3"
+                "TRL forces reentrant gradient checkpointing for a PEFT model under DeepSpeed ZeRO-3, and reentrant "
+                "checkpointing cuts the gradient of the shared states; set gradient_checkpointing=False (or train "
+                "all weights) to use it under ZeRO-3"
             )
         if auto and self.num_generations == 1:
             return "num_generations=1, so no prompt is repeated in a batch"
         return unsupported_reason(self.accelerator.unwrap_model(model))
 
     def _all_ranks_can_share(self, local: bool) -> bool:
-        """Under sharded parameters every rank must run the same forwards (each gathers the weights with
-        collectives): the shared pass (two forwards) runs on a chunk only if every rank's chunk has a repeated
-        prompt. One MAX all-reduce of one number per chunk ("some rank cannot"); none without sharding."""
-        if not (self.is_deepspeed_enabled or self.is_fsdp_enabled) or self.accelerator.num_processes == 1:
-            return local
-        blocked = torch.tensor([0.0 if local else 1.0], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(blocked, reduction="max").item() == 0)
+        """The per-chunk decision, agreed by all ranks when parameters are sharded (``all_ranks_can_share``)."""
+        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        return all_ranks_can_share(local, sharded, device=self.accelerator.device)
 
     def _shared_prefix_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
         """TRL's chunked pass, with each chunk's prompts shared; chunks without a repeated prompt take TRL's path."""
