@@ -105,3 +105,38 @@ def test_critic_backend_follows_the_accelerators_fsdp_plugin(caplog):
     with caplog.at_level(logging.WARNING, logger="trlx_scale.ppo.critic_training"):
         legacy = CriticBackend.for_accelerator(accelerator(FullyShardedDataParallelPlugin(fsdp_version=1)))
     assert legacy.kind == "ddp" and "DDP replica under FSDP1" in caplog.text
+
+
+@pytest.mark.distributed
+def test_separate_critic_engine_builds_under_zero3_with_bf16(tmp_path):
+    """ZeRO-3 with bf16 on (as on GPUs) and fp32 master weights: the critic's bf16 backbone and fp32 value head go to
+    one engine whose flat partitions take one dtype; the head is cast to bf16 first and the engine keeps fp32
+    masters (tests/distributed/ppo_zero3_bf16_critic.py)."""
+    deepspeed_json = tmp_path / "zero3_bf16.json"
+    deepspeed_json.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3},
+                "bf16": {"enabled": True},
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "train_batch_size": "auto",
+                "train_micro_batch_size_per_gpu": "auto",
+            }
+        )
+    )
+    config = tmp_path / "zero3_bf16.yaml"
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+        f"  deepspeed_config_file: {deepspeed_json}\n  zero3_init_flag: false\nnum_processes: 2\nnum_machines: 1\n"
+        "machine_rank: 0\nmain_training_function: main\nuse_cpu: false\nrdzv_backend: static\nsame_network: true\n"
+    )
+    script = os.path.join(REPO_ROOT, "tests", "distributed", "ppo_zero3_bf16_critic.py")
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [ACCELERATE, "launch", "--config_file", str(config), "--main_process_port", "29597", script, str(out)]
+    run_command(command, timeout=600)
+    for rank in range(2):
+        report = json.loads((out / f"rank{rank}.json").read_text())
+        assert report["backend"] == "deepspeed" and report["partitioned"]
+        assert report["param_dtypes"] == ["torch.bfloat16"] and report["master_dtypes"] == ["torch.float32"]

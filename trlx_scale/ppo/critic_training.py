@@ -261,6 +261,13 @@ def _deepspeed_engine(
             f"The DeepSpeed config still has 'auto' values the critic's engine cannot fill: {leftover}. Give them "
             "numbers in the DeepSpeed config."
         )
+    # ZeRO-3 partitions the parameters in the dtype they have (DeepSpeed casts to bf16/fp16 itself only below stage
+    # 3), and a flat partition holds one dtype: the fp32 value head joins the backbone's compute dtype. The engine's
+    # fp32 master partition keeps the head's precision from there on.
+    if config.get("bf16", {}).get("enabled") is True:
+        critic.to(torch.bfloat16)
+    elif config.get("fp16", {}).get("enabled") is True:
+        critic.to(torch.float16)
     engine, *_ = deepspeed.initialize(model=critic, optimizer=optimizer, config=config)
     return engine
 
