@@ -35,8 +35,8 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # Under DeepSpeed with bf16 on the head is bf16 like the rest of the critic (DeepSpeed casts it below ZeRO-3,
-        # critic_training._deepspeed_engine at ZeRO-3): follow its dtype, and hand out fp32 values either way.
+        # Under DeepSpeed with bf16 on, the head is cast to bf16 with the rest of the critic
+        # (critic_training._deepspeed_engine): follow its dtype, and hand out fp32 values either way.
         return self.summary(hidden_states.to(self.summary.weight.dtype)).float().squeeze(-1)
 
 

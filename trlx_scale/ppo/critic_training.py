@@ -261,9 +261,8 @@ def _deepspeed_engine(
             f"The DeepSpeed config still has 'auto' values the critic's engine cannot fill: {leftover}. Give them "
             "numbers in the DeepSpeed config."
         )
-    # ZeRO-3 partitions the parameters in the dtype they have (DeepSpeed casts to bf16/fp16 itself only below stage
-    # 3), and a flat partition holds one dtype: the fp32 value head joins the backbone's compute dtype. The engine's
-    # fp32 master partition keeps the head's precision from there on.
+    # DeepSpeed's flat partitions hold one dtype (ZeRO-3 with bf16 failed in its defragment on the bf16 backbone plus
+    # the fp32 value head): the head joins the compute dtype first. The engine's fp32 masters keep its precision.
     if config.get("bf16", {}).get("enabled") is True:
         critic.to(torch.bfloat16)
     elif config.get("fp16", {}).get("enabled") is True:
