@@ -124,7 +124,10 @@ def shared_token_ratio(input_ids: torch.Tensor, attention_mask: torch.Tensor, lo
 
 def _fsdp2_layers(model: torch.nn.Module) -> list[torch.nn.Module | None]:
     """The decoder layers in order, each where FSDP2 shards it on its own (as Accelerate wraps them), else None."""
-    from torch.distributed.fsdp import FSDPModule
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2's public API: nothing here is sharded by it
+        return [None] * num_decoder_layers(model)
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     classes = set(getattr(base, "_no_split_modules", None) or ())
