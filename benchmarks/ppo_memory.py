@@ -115,48 +115,13 @@ class _RSSSampler:
         return self.peak
 
 
-def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _optimizer_bytes(optimizer) -> int:
-    """Adam moments (and masters) of a torch optimizer, or of a DeepSpeed ZeRO optimizer (its fp32 partition, its
-    gradient partition and the wrapped optimizer's moments)."""
-    if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # DeepSpeed ZeRO-3: fp32 partition, gradient partition
-        total = _tensor_bytes(optimizer.fp32_partitioned_groups_flat)
-        total += _tensor_bytes([getattr(optimizer, "grad_partitions_flat_buffer", None)])
-        optimizer = optimizer.optimizer  # the wrapped torch optimizer: the moments
-    else:
-        total = _tensor_bytes(getattr(optimizer, "master_params", []))  # trlx_scale's FP32MasterAdamW
-    states = [v for state in optimizer.state.values() for v in state.values() if hasattr(v, "numel")]
-    return total + _tensor_bytes(states)
-
-
-def _module_bytes(module) -> int:
-    """Parameters this rank holds (a ZeRO-3 parameter: its partition) and their gradients."""
-    params = list(module.parameters())
-    held = _tensor_bytes(getattr(p, "ds_tensor", p) for p in params)
-    return held + _tensor_bytes(p.grad for p in params)
-
-
 def model_state_gib(trainer) -> dict[str, float]:
-    """What each role holds on this rank after training (activations freed): parameters, gradients and optimizer
-    state, counted tensor by tensor. DDP's gradient buckets (one more copy of the gradients) are not counted."""
-    policy = trainer.model_wrapped
-    policy_module = getattr(policy, "module", policy)
-    deepspeed = trainer.critic_training.backend == "deepspeed"  # then policy and critic are both DeepSpeed engines
-    # A DeepSpeed engine's ZeRO optimizer, or the torch optimizer inside Accelerate's wrapper.
-    policy_optimizer = policy.optimizer if deepspeed else trainer.optimizer.optimizer
-    critic = trainer.critic_training
-    critic_optimizer = critic.module.optimizer if deepspeed else critic.optimizer
-    reference = trainer.ppo_ref_model
-    reference = getattr(reference, "module", reference)
-    gib = {
-        "policy": _module_bytes(policy_module) + _optimizer_bytes(policy_optimizer),
-        "critic": _module_bytes(critic.critic) + _optimizer_bytes(critic_optimizer),
-        "reference": _module_bytes(reference),
-    }
-    return {role: value / 2**30 for role, value in gib.items()}
+    """What each role holds on this rank after training (activations freed), as the trainer logs it
+    (``memory/held/<role>_gib``, trlx_scale/planning/held_memory.py): parameters or their partition, gradients, fp32
+    masters and Adam moments, counted tensor by tensor. DDP's gradient buckets (one more copy of the gradients) are
+    not counted."""
+    held = trainer.held_memory_metrics()
+    return {role: held[f"memory/held/{role}_gib"] for role in ("policy", "critic", "reference")}
 
 
 def worker(output: str) -> None:

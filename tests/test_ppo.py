@@ -317,3 +317,23 @@ def test_separate_critic_follows_fp32_master_weights(default_model_dir, tmp_path
     trainer.train()
     assert all(m.dtype == torch.float32 for m in optimizer.master_params)
     assert any(not torch.equal(a, b) for a, b in zip(before, optimizer.master_params, strict=True))
+
+
+def test_logs_the_model_states_each_role_holds(default_model_dir, tmp_path):
+    """memory/held/<role>_gib (planning/held_memory.py), 1 process, fp32 full fine-tuning after a step: each trainable
+    parameter holds 4 B of weight and 8 B of Adam moments (its gradient freed), a frozen one 4 B; the reference holds
+    its weights. Checked against that arithmetic, counted from the modules here."""
+    trainer = _trainer(default_model_dir, tmp_path, peft=False, max_steps=1, logging_steps=1)
+    trainer.train()
+
+    def expected_gib(module) -> float:
+        params = {id(p): p for p in module.parameters()}.values()  # tied weights once
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        frozen = sum(p.numel() for p in params if not p.requires_grad)
+        return (12 * trainable + 4 * frozen) / 2**30
+
+    held = {role: logged(trainer, f"memory/held/{role}_gib")[-1] for role in ("policy", "critic", "reference")}
+    assert held["policy"] == pytest.approx(expected_gib(trainer.model), rel=1e-3)
+    assert held["critic"] == pytest.approx(expected_gib(trainer.critic), rel=1e-3)
+    assert held["reference"] == pytest.approx(expected_gib(trainer.ppo_ref_model), rel=1e-3)
+    assert held["critic"] > held["reference"] > 0  # the critic's Adam state is counted, the reference has none

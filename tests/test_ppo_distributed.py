@@ -46,12 +46,22 @@ def test_ppo_roles_are_partitioned_under_zero3(kind, port, tmp_path):
         assert report["resumed_losses"] == report["losses"] and len(report["losses"]) == 2
     if kind == "shared_base":
         assert reports[0]["critic_group_lr"] == 1e-3 and reports[0]["policy_group_lr"] == 1e-4
+        assert "critic_gib" not in reports[0]["held_gib"]  # its states are the policy engine's
         return
     for report in reports:
         assert report["critic_backend"] == "deepspeed"
         # The full critic trains every parameter: its fp32 masters are this rank's partition, Adam keeps two moments.
         assert report["critic_optimizer"]["masters"] == report["critic"]["local"]
         assert report["critic_optimizer"]["moments"] == 2 * report["critic_optimizer"]["masters"]
+        # The logged memory/held/critic_gib: per local element, the fp32 parameter partition, its master and its
+        # gradient partition (4 B each) and the two moments (8 B).
+        critic_elements = report["critic"]["local"] + 2 * report["critic_optimizer"]["masters"]
+        critic_bytes = 4 * (critic_elements + report["critic_optimizer"]["moments"])
+        assert report["held_gib"]["critic_gib"] == pytest.approx(critic_bytes / 2**30, rel=1e-3)  # logged to 1e-6 GiB
+        if kind == "full":
+            assert report["held_gib"]["reference_gib"] == pytest.approx(
+                4 * report["reference"]["local"] / 2**30, rel=1e-3
+            )
         assert "critic_deepspeed" in report["checkpoint_files"]
     assert reports[0]["critic"]["local"] + reports[1]["critic"]["local"] >= reports[0]["critic"]["full"]
     if kind == "full":
@@ -69,6 +79,7 @@ def test_separate_critic_sharded_by_fsdp2_trains_like_one_process(kind, port, tm
     report = run_torchrun_report("ppo_fsdp2_critic.py", tmp_path / "critic.json", port=port, arguments=[kind])
     assert report["all_dtensor"] and report["optimizer_points_at_shards"]
     assert 0.49 < report["param_fraction"] < 0.51 and 0.49 < report["moment_fraction"] < 0.51
+    assert 0.49 < report["held_ratio"] < 0.51  # memory/held/critic_gib: half of one process's (weights + moments)
     assert report["losses"] == pytest.approx(report["reference_losses"], rel=1e-5)
     assert report["norms"] == pytest.approx(report["reference_norms"], rel=1e-5)
     assert min(report["norms"]) > 0.5  # above max_grad_norm: the clipped update is what is compared

@@ -47,6 +47,7 @@ NEW_METHODS = {
     },
     PPOTrainer: {
         "_policy",
+        "_held_roles",
         "_build_critic",
         "_build_reference",
         "_build_critic_optimizer",

@@ -19,6 +19,7 @@ from report import finish  # tests/distributed/report.py (the script's folder)
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from trlx_scale.planning.held_memory import held_bytes
 from trlx_scale.ppo.critic import SeparateCritic, critic_state
 from trlx_scale.ppo.critic_training import CriticBackend, DistributedCritic
 from trlx_scale.tasks.default_model import default_model_path
@@ -106,6 +107,10 @@ def main(kind: str) -> dict:
     report["param_fraction"] = local_fraction(params)
     moments = [state[key] for state in sharded.optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
     report["moment_fraction"] = local_fraction(moments)
+    # What a trainer logs as memory/held/critic_gib (planning/held_memory.py): DTensors count by their local shard.
+    report["held_ratio"] = held_bytes([sharded.critic], sharded.optimizer) / held_bytes(
+        [single.critic], single.optimizer
+    )
     report["optimizer_points_at_shards"] = {id(p) for g in sharded.optimizer.param_groups for p in g["params"]} == {
         id(p) for p in params
     }

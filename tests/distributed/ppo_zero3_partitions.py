@@ -82,6 +82,9 @@ def main(kind: str, output_dir: str) -> None:
     trainer = build(kind, os.path.join(output_dir, "run"))
     trainer.train()
     report = {"losses": losses(trainer), "world_size": trainer.accelerator.num_processes}
+    # What the trainer logs each role holds (planning/held_memory.py), at its last log.
+    last = [entry for entry in trainer.state.log_history if "memory/held/policy_gib" in entry][-1]
+    report["held_gib"] = {key.split("/")[-1]: value for key, value in last.items() if key.startswith("memory/held/")}
     if trainer.critic_training is not None:
         report["critic_backend"] = trainer.critic_training.backend
         report["critic"] = _held(trainer.critic.parameters())

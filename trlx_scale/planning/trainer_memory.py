@@ -10,6 +10,8 @@ Every trlx_scale trainer logs, at each logging step:
   roles, plus the CPU vLLM engine's own memory beyond its weights and KV cache (``CPU_ENGINE_RUNTIME_GIB``).
 - ``memory/peak_host_gib``: this process's peak resident memory (``getrusage`` ``ru_maxrss``).
 - ``memory/peak_device_gib`` (CUDA): ``torch.cuda.max_memory_reserved`` of this process's GPU.
+- ``memory/held/<role>_gib``: the model states this rank holds for each role (policy, critic, reference), counted
+  tensor by tensor (``held_memory``): parameters or their shard, gradients, masters and moments.
 
 Values are this process's own (ranks of a data-parallel run are symmetric); no collective runs in ``log``.
 """
@@ -22,6 +24,7 @@ import sys
 
 import torch
 
+from .held_memory import held_gib, local_bytes
 from .memory_model import GIB, Layout, Plan, RunSpec, role_memory
 from .model_shape import ModelShape
 
@@ -57,19 +60,12 @@ def _cpu_kv_cache_gib() -> float:
     return float(os.environ.get(KVCACHE_SPACE_ENV, "1"))
 
 
-def _local_bytes(tensor: torch.Tensor) -> int:
-    partition = getattr(tensor, "ds_tensor", None)  # DeepSpeed ZeRO-3: the local shard lives here
-    if partition is not None:
-        return partition.numel() * partition.element_size()
-    return tensor.numel() * tensor.element_size()
-
-
 def materialized_model_bytes(model) -> int:
     """Bytes of a model's parameters and buffers held by this process (0 for a name or path)."""
     if not isinstance(model, torch.nn.Module):
         return 0
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"}
-    return sum(_local_bytes(t) for t in tensors.values())
+    return sum(local_bytes(t) for t in tensors.values())
 
 
 def zero3_init_of(accelerator) -> bool:
@@ -205,8 +201,26 @@ class PlannedMemoryMixin:
         """RunSpec fields a trainer adds for its own roles (PPO: critic, reference)."""
         return {}
 
+    def _held_roles(self) -> dict[str, tuple[list, object]]:
+        """Each role's modules and optimizer, for ``memory/held/<role>_gib``: the policy, and the reference model
+        where there is a separate one (a LoRA policy's reference is its own base). PPO adds its critic."""
+        roles: dict[str, tuple[list, object]] = {"policy": ([self.model], self.optimizer)}
+        reference = getattr(self, "ref_model", None)
+        if isinstance(reference, torch.nn.Module):
+            roles["reference"] = ([reference], None)
+        return roles
+
+    def held_memory_metrics(self) -> dict[str, float]:
+        """``memory/held/<role>_gib``: the model states this rank holds per role (``held_memory``)."""
+        metrics = {}
+        for role, (modules, optimizer) in self._held_roles().items():
+            unwrapped = [self.accelerator.unwrap_model(m) if m is not None else None for m in modules]
+            metrics[f"memory/held/{role}_gib"] = round(held_gib(unwrapped, optimizer), 6)  # MiB-scale roles too
+        return metrics
+
     def memory_metrics(self) -> dict[str, float]:
         metrics = {"memory/planned_peak_gib": round(self.planned_memory().per_gpu_gib, 4)}
+        metrics.update(self.held_memory_metrics())
         metrics["memory/peak_host_gib"] = round(peak_rss_bytes() / GIB, 4)
         if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
             metrics["memory/peak_device_gib"] = round(torch.cuda.max_memory_reserved(self.accelerator.device) / GIB, 4)
