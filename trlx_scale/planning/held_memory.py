@@ -3,7 +3,8 @@
 A role's model states are its parameters (a DeepSpeed ZeRO-3 partition, an FSDP2 DTensor's local shard, or the whole
 tensor), their gradients, and its optimizer's state: fp32 master copies (``FP32MasterAdamW``, DeepSpeed's flat fp32
 partitions), DeepSpeed's gradient partitions, and the moments. Every tensor is counted once (by identity), so an
-optimizer whose groups hold the module's own parameters adds only its moments. Activations, buffers of collectives
+optimizer whose groups hold the module's own parameters adds only its moments. Tensors count wherever they live (an
+optimizer offloaded to host memory counts too). Activations, buffers of collectives
 and the allocator's cache are not model states and are not counted: on a GPU, ``memory/peak_device_gib`` is the whole
 peak beside these.
 
