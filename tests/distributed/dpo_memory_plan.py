@@ -14,6 +14,7 @@ import sys
 
 import torch
 from datasets import Dataset
+from report import leave_group  # tests/distributed/report.py (the script's folder)
 from transformers import AutoTokenizer
 
 from trlx_scale import DPOConfig, DPOTrainer
@@ -66,3 +67,4 @@ def main(model_dir: str, report_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    leave_group()  # after main(): the trainer is unreferenced, so its gloo work is done before the group goes

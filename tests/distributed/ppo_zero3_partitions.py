@@ -16,6 +16,7 @@ import sys
 
 import torch
 from peft import LoraConfig
+from report import leave_group  # tests/distributed/report.py (the script's folder)
 
 from trlx_scale import PPOConfig, PPOTrainer
 from trlx_scale.tasks import addition_dataset, default_model_path, exact_match_reward
@@ -114,3 +115,4 @@ def main(kind: str, output_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    leave_group()  # after main(): the trainers are unreferenced, so their gloo work is done before the group goes

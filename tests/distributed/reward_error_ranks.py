@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from report import leave_group  # tests/distributed/report.py (the script's folder)
+
 from trlx_scale import GRPOConfig, GRPOTrainer
 from trlx_scale.reliability import RewardFunctionError
 from trlx_scale.tasks import addition_dataset, default_model_path
@@ -47,3 +49,4 @@ def main(output_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_group()  # after main(): the trainer is unreferenced, so its gloo work is done before the group goes
