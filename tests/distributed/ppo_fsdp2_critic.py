@@ -108,9 +108,7 @@ def main(kind: str) -> dict:
     moments = [state[key] for state in sharded.optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
     report["moment_fraction"] = local_fraction(moments)
     # What a trainer logs as memory/held/critic_gib (planning/held_memory.py): DTensors count by their local shard.
-    report["held_ratio"] = held_bytes([sharded.critic], sharded.optimizer) / held_bytes(
-        [single.critic], single.optimizer
-    )
+    report["held_ratio"] = held_bytes(sharded.critic, sharded.optimizer) / held_bytes(single.critic, single.optimizer)
     report["optimizer_points_at_shards"] = {id(p) for g in sharded.optimizer.param_groups for p in g["params"]} == {
         id(p) for p in params
     }

@@ -15,7 +15,7 @@ planner's per-GPU number.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -79,21 +79,18 @@ def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
             yield from _tensors(state)
 
 
-def held_bytes(modules: Iterable[torch.nn.Module | None], optimizer=None) -> int:
-    """Bytes of model states this rank holds for one role: its modules' parameters and gradients, and the state of
+def held_bytes(module: torch.nn.Module, optimizer=None) -> int:
+    """Bytes of model states this rank holds for one role: its module's parameters and gradients, and the state of
     its optimizer (Accelerate- or DeepSpeed-wrapped, or plain), each tensor once."""
     tensors: dict[int, torch.Tensor] = {}
-    for module in modules:
-        if module is None:
-            continue
-        for param in module.parameters():
-            tensors.setdefault(id(param), param)
-            if param.grad is not None:
-                tensors.setdefault(id(param.grad), param.grad)
+    for param in module.parameters():
+        tensors.setdefault(id(param), param)
+        if param.grad is not None:
+            tensors.setdefault(id(param.grad), param.grad)
     for tensor in _optimizer_tensors(optimizer):
         tensors.setdefault(id(tensor), tensor)
     return sum(local_bytes(t) for t in tensors.values() if t.device.type != "meta")
 
 
-def held_gib(modules: Iterable[torch.nn.Module | None], optimizer=None) -> float:
-    return held_bytes(modules, optimizer) / GIB
+def held_gib(module: torch.nn.Module, optimizer=None) -> float:
+    return held_bytes(module, optimizer) / GIB

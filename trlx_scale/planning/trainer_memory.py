@@ -201,22 +201,21 @@ class PlannedMemoryMixin:
         """RunSpec fields a trainer adds for its own roles (PPO: critic, reference)."""
         return {}
 
-    def _held_roles(self) -> dict[str, tuple[list, object]]:
-        """Each role's modules and optimizer, for ``memory/held/<role>_gib``: the policy, and the reference model
+    def _held_roles(self) -> dict[str, tuple[torch.nn.Module, object]]:
+        """Each role's module and optimizer, for ``memory/held/<role>_gib``: the policy, and the reference model
         where there is a separate one (a LoRA policy's reference is its own base). PPO adds its critic."""
-        roles: dict[str, tuple[list, object]] = {"policy": ([self.model], self.optimizer)}
+        roles: dict[str, tuple[torch.nn.Module, object]] = {"policy": (self.model, self.optimizer)}
         reference = getattr(self, "ref_model", None)
         if isinstance(reference, torch.nn.Module):
-            roles["reference"] = ([reference], None)
+            roles["reference"] = (reference, None)
         return roles
 
     def held_memory_metrics(self) -> dict[str, float]:
         """``memory/held/<role>_gib``: the model states this rank holds per role (``held_memory``)."""
-        metrics = {}
-        for role, (modules, optimizer) in self._held_roles().items():
-            unwrapped = [self.accelerator.unwrap_model(m) if m is not None else None for m in modules]
-            metrics[f"memory/held/{role}_gib"] = round(held_gib(unwrapped, optimizer), 6)  # MiB-scale roles too
-        return metrics
+        return {
+            f"memory/held/{role}_gib": round(held_gib(self.accelerator.unwrap_model(module), optimizer), 6)
+            for role, (module, optimizer) in self._held_roles().items()
+        }
 
     def memory_metrics(self) -> dict[str, float]:
         metrics = {"memory/planned_peak_gib": round(self.planned_memory().per_gpu_gib, 4)}

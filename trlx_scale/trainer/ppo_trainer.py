@@ -139,16 +139,16 @@ class PPOTrainer(GRPOTrainer):
     def _planner_algorithm(self) -> str:
         return "ppo"
 
-    def _held_roles(self) -> dict[str, tuple[list, object]]:
+    def _held_roles(self) -> dict[str, tuple[torch.nn.Module, object]]:
         """The policy, the separate critic (its DeepSpeed engine's optimizer, or its own) and the frozen reference.
         A shared-base critic's adapter and head train in the policy's optimizer: its states are the policy's."""
-        roles: dict[str, tuple[list, object]] = {"policy": ([self.model], self.optimizer)}
+        roles: dict[str, tuple[torch.nn.Module, object]] = {"policy": (self.model, self.optimizer)}
         if self.critic_training is not None:
             critic = self.critic_training
             optimizer = critic.module.optimizer if critic.backend == "deepspeed" else critic.optimizer
-            roles["critic"] = ([critic.critic], optimizer)
+            roles["critic"] = (critic.critic, optimizer)
         if self.ppo_ref_model is not None:
-            roles["reference"] = ([self.ppo_ref_model], None)
+            roles["reference"] = (self.ppo_ref_model, None)
         return roles
 
     def _planner_extra_roles(self) -> dict:
