@@ -168,7 +168,14 @@ def test_reliability_and_hub_mixins_override_trainer_methods_that_still_exist():
     overrides = {
         NonFiniteGuardMixin: ("training_step", "_get_grad_norm", "log"),
         AtomicCheckpointMixin: ("train", "_save_checkpoint", "_load_optimizer_and_scheduler"),
-        HubPushMixin: ("push_to_hub", "init_hf_repo", "save_model", "create_model_card"),
+        HubPushMixin: (
+            "push_to_hub",
+            "init_hf_repo",
+            "save_model",
+            "create_model_card",
+            "_save",
+            "_push_from_checkpoint",
+        ),
     }
     for mixin, names in overrides.items():
         for name in names:
@@ -181,6 +188,20 @@ def test_reliability_and_hub_mixins_override_trainer_methods_that_still_exist():
         assert hasattr(TrainerCallback, event)
     # transformers' save_model pushes unless _internal_call (the Hub mixin relies on the flag to save only).
     assert "_internal_call" in inspect.signature(Trainer.save_model).parameters
+    assert hasattr(Trainer, "_finish_current_push")  # the Hub mixin waits on checkpoint uploads with it
+
+
+def test_transformers_still_pickles_the_whole_arguments_where_the_hub_mixin_rewrites_them():
+    """The Hub mixin rewrites training_args.bin after Trainer._save and replaces Trainer._push_from_checkpoint
+    because both pickle ``self.args`` (tokens included) under this name: if transformers stops (or renames the
+    file), the rewrite can go."""
+    from transformers import Trainer, trainer
+
+    from trlx_scale.hub import secrets
+
+    assert trainer.TRAINING_ARGS_NAME == secrets.TRAINING_ARGS_NAME
+    for method in (Trainer._save, Trainer._push_from_checkpoint):
+        assert "torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))" in inspect.getsource(method)
 
 
 def test_phase_profiler_mixin_overrides_keep_trainer_signatures():

@@ -1,7 +1,8 @@
 """A local stand-in for the Hugging Face Hub: the part of its HTTP API that ``huggingface_hub`` uses to create a model
 repo and commit files to it (regular uploads, no LFS/Xet), on 127.0.0.1. Point ``HF_ENDPOINT`` at ``url``.
 
-Committed files land in ``repos[repo_id][path] = bytes``. ``fail_next`` makes the next N commit calls answer HTTP 500.
+Committed files land in ``repos[repo_id][path] = bytes``; ``received`` holds the raw body of every request (every
+byte that went up, commit messages and file contents included). ``fail_next`` makes the next N commit calls answer HTTP 500.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ class FakeHub:
     def __init__(self):
         self.repos: dict[str, dict[str, bytes]] = {}
         self.requests: list[tuple[str, str]] = []
+        self.received: list[bytes] = []
         self.fail_next = 0
         self.commits = 0
         hub = self
@@ -63,6 +65,7 @@ class FakeHub:
             def do_POST(self):
                 body = self._body()
                 hub.requests.append(("POST", self.path))
+                hub.received.append(self.path.encode() + b"\n" + body)
                 if self.path.startswith("/api/validate-yaml"):  # the model card's metadata: always valid here
                     return self._reply(200, {"errors": [], "warnings": []})
                 if self.path == "/api/repos/create":

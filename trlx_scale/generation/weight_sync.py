@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..atomic_files import replace_atomically
 from .base_check import base_differs_from_checkpoint, base_rewriting_init
 from .engine_options import check_sync_mode
 
@@ -141,12 +142,6 @@ def ram_backed_directory(prefix: str, needed_bytes: int = 0) -> str:
     return tempfile.mkdtemp(prefix=prefix, dir=root)
 
 
-def _atomic_write(path: str, write) -> None:
-    temporary = f"{path}.tmp"
-    write(temporary)
-    os.replace(temporary, path)
-
-
 class LoRAAdapterSync:
     """Sends a PEFT model's active LoRA adapter to vLLM's fixed adapter slot."""
 
@@ -179,8 +174,8 @@ class LoRAAdapterSync:
         config = self.config.to_dict()
         config["base_model_name_or_path"] = self.model.get_base_model().name_or_path
         config["inference_mode"] = True
-        _atomic_write(os.path.join(self.directory, "adapter_config.json"), lambda p: _write_json(p, config))
-        _atomic_write(os.path.join(self.directory, "adapter_model.safetensors"), lambda p: save_file(tensors, p))
+        replace_atomically(os.path.join(self.directory, "adapter_config.json"), lambda p: _write_json(p, config))
+        replace_atomically(os.path.join(self.directory, "adapter_model.safetensors"), lambda p: save_file(tensors, p))
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def request(self):

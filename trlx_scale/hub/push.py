@@ -6,6 +6,12 @@ the model card, ``run_summary.json`` and the report beside it, and that director
 5xx, dropped connections) are retried ``hub_push_retries`` times with exponential backoff; then ``HubPushError``
 says that everything is still saved locally and how to upload it later. Client errors (401, 403, 404) are not
 retried: retrying cannot fix a token.
+
+No secret goes up (``secrets.py``): ``training_args.bin`` is written without the config's tokens, and every staged
+folder is searched for every token this process knows before it is uploaded. Checkpoint pushes during training
+(``hub_strategy`` every_save / checkpoint / all_checkpoints) are staged the same way (in ``_hub_checkpoint_push-N``,
+hard links where the filesystem allows) and uploaded in the background with the same retries; transformers' own
+checkpoint push would pickle the whole arguments into ``output_dir`` and upload that.
 """
 
 from __future__ import annotations
@@ -15,15 +21,30 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from transformers.utils import logging
 
 from .model_card import trlx_scale_card_section
+from .secrets import check_folder_has_no_secrets, known_secrets, write_training_args
 
 logger = logging.get_logger(__name__)
 
 STAGING_DIRECTORY = "_hub_staging"
+CHECKPOINT_STAGING_PREFIX = "_hub_checkpoint_push-"  # + step; "_*" is never uploaded from output_dir
+# What a checkpoint push sends from the checkpoint (as transformers' does): the model's own files.
+CHECKPOINT_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "pytorch_model.bin",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "adapter_config.json",
+    "adapter_model.bin",
+    "adapter_model.safetensors",
+)
 # Files of output_dir that go up beside the model (the card is written into the staging directory itself).
 RUN_FILES = ("run_summary.json",)
 RUN_DIRECTORIES = ("report",)
@@ -100,6 +121,11 @@ class HubPushMixin:
         self.hub_model_id = repo.repo_id
         self.push_in_progress = None
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        super()._save(output_dir, state_dict=state_dict)
+        if self.args.should_save:  # transformers' _save has just pickled the whole args, tokens included
+            write_training_args(self.args, output_dir if output_dir is not None else self.args.output_dir)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # transformers' save_model also uploads when args.push_to_hub is set: a first, unretried upload of the whole
         # output_dir before the run's summary and card exist, then push_to_hub uploads again. Here saving only
@@ -137,6 +163,8 @@ class HubPushMixin:
         kwargs.setdefault("model_name", (self.args.hub_model_id or self.args.output_dir).rstrip("/").split("/")[-1])
         self.create_model_card(**kwargs)
         self._stage_run_files(staging)
+        check_folder_has_no_secrets(staging, known_secrets(self.args, token), f"to the Hub repo {self.hub_model_id}")
+        self._finish_current_push()  # a checkpoint push still in flight lands first
         api = self._hub_api()
         try:
             info = with_retries(
@@ -193,3 +221,95 @@ class HubPushMixin:
             path = os.path.join(self.args.output_dir, name)
             if os.path.isdir(path):
                 shutil.copytree(path, os.path.join(staging, name), dirs_exist_ok=True)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """A checkpoint push during training: staged without secrets, scanned, uploaded in the background."""
+        from transformers.trainer_utils import HubStrategy, SaveStrategy
+        from transformers.utils.hub import PushInProgress
+
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
+            return
+        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return  # as transformers: skip this one while the previous upload runs
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        staging = os.path.join(self.args.output_dir, f"{CHECKPOINT_STAGING_PREFIX}{self.state.global_step}")
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        for name in CHECKPOINT_MODEL_FILES + tuple(_weight_shards(checkpoint_folder)):
+            if os.path.isfile(os.path.join(checkpoint_folder, name)):
+                _link_or_copy(os.path.join(checkpoint_folder, name), os.path.join(staging, name))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(staging)
+        write_training_args(self.args, staging)
+        if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+            inside = "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else None
+            target = os.path.join(staging, inside or os.path.basename(checkpoint_folder))
+            shutil.copytree(checkpoint_folder, target, copy_function=_link_or_copy)
+        try:
+            check_folder_has_no_secrets(staging, known_secrets(self.args), f"checkpoint {checkpoint_folder}")
+        except Exception:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if self.args.save_strategy == SaveStrategy.STEPS:
+            message = f"Training in progress, step {self.state.global_step}"
+        else:
+            message = f"Training in progress, epoch {int(self.state.epoch)}"
+        job = self._checkpoint_uploader().submit(self._upload_staged_checkpoint, staging, message)
+        if self.push_in_progress is None or self.push_in_progress.is_done():
+            self.push_in_progress = PushInProgress([job])
+        else:
+            self.push_in_progress.jobs.append(job)
+
+    def _checkpoint_uploader(self) -> ThreadPoolExecutor:
+        # One background thread: checkpoint uploads go up in order, never two at once.
+        if getattr(self, "_checkpoint_upload_thread", None) is None:
+            self._checkpoint_upload_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-checkpoint")
+        return self._checkpoint_upload_thread
+
+    def _upload_staged_checkpoint(self, staging: str, message: str) -> None:
+        api = self._hub_api()
+        try:
+            with_retries(
+                lambda: api.upload_folder(
+                    repo_id=self.hub_model_id,
+                    folder_path=staging,
+                    commit_message=message,
+                    token=self.args.hub_token,
+                    revision=self.args.hub_revision,
+                ),
+                f"uploading a checkpoint to {self.hub_model_id}",
+                self._hub_option("hub_push_retries", 3),
+                self._hub_option("hub_push_backoff_s", 2.0),
+            )
+        except Exception as error:  # noqa: BLE001 - a lost checkpoint upload must not stop training
+            logger.warning(
+                "A checkpoint upload to %s failed (%s: %s); training goes on, the checkpoint is local and the final "
+                "push uploads the model.",
+                self.hub_model_id,
+                type(error).__name__,
+                error,
+            )
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _weight_shards(checkpoint_folder: str) -> list[str]:
+    """The shard files a sharded checkpoint's index names."""
+    import json
+
+    shards: set[str] = set()
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        path = os.path.join(checkpoint_folder, index)
+        if os.path.isfile(path):
+            with open(path) as handle:
+                shards |= set(json.load(handle)["weight_map"].values())
+    return sorted(shards)
+
+
+def _link_or_copy(source: str, destination: str) -> str:
+    """A hard link (no bytes copied; the file survives the checkpoint's rotation), else a copy."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+    return destination

@@ -1,0 +1,153 @@
+"""No secret in any byte that leaves the machine: a run with a token set in every way a user can set it trains,
+pushes checkpoints during training (hub_strategy="checkpoint") and pushes at the end against the local fake Hub;
+every byte the Hub received, every file it holds, and everything the run printed is searched for every token.
+
+Before the fix this failed on ``training_args.bin`` (transformers pickles the whole TrainingArguments, hub_token in
+clear) in the final push and in each checkpoint push."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from trlx_scale import DPOTrainer, GRPOTrainer
+from trlx_scale.hub.secrets import (
+    SecretInUploadError,
+    check_folder_has_no_secrets,
+    environment_secrets,
+    files_with_secrets,
+    without_secrets,
+)
+from trlx_scale.tasks import addition_dataset, addition_preference_dataset, exact_match_reward
+
+from .helpers.fake_hub import FakeHub
+from .helpers.trainers import small_dpo_config, small_grpo_config
+
+LORA = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+# One distinct token per way of setting it, so a hit says which way leaked.
+TOKENS = {
+    "config hub_token": "hf_CONFIGtoken0123456789abcdef",
+    "HF_TOKEN": "hf_ENVtoken0123456789abcdefgh",
+    "HUGGING_FACE_HUB_TOKEN": "hf_LEGACYenv0123456789abcdefg",
+    "login file (HF_TOKEN_PATH)": "hf_LOGINfile0123456789abcdef",
+    "push_to_hub(token=...)": "hf_PUSHarg0123456789abcdefghi",
+    "WANDB_API_KEY": "wandbKEY0123456789abcdefghijkl",
+}
+
+
+@pytest.fixture()
+def hub_with_tokens(monkeypatch, tmp_path):
+    token_file = tmp_path / "hf-home" / "token"
+    token_file.parent.mkdir()
+    token_file.write_text(TOKENS["login file (HF_TOKEN_PATH)"])
+    with FakeHub() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", TOKENS["HF_TOKEN"])
+        monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", TOKENS["HUGGING_FACE_HUB_TOKEN"])
+        monkeypatch.setenv("HF_TOKEN_PATH", str(token_file))
+        monkeypatch.setenv("WANDB_API_KEY", TOKENS["WANDB_API_KEY"])
+        yield hub
+
+
+def _leaks(blobs: dict[str, bytes]) -> list[tuple[str, str]]:
+    return [(where, how) for where, blob in blobs.items() for how, token in TOKENS.items() if token.encode() in blob]
+
+
+def _everything_that_went_up(hub: FakeHub) -> dict[str, bytes]:
+    blobs = {f"request {index}": body for index, body in enumerate(hub.received)}
+    for repo, files in hub.repos.items():
+        blobs.update({f"{repo}/{path}": content for path, content in files.items()})
+    return blobs
+
+
+def test_no_token_set_in_any_way_reaches_the_hub_or_the_output(default_model_dir, tmp_path, hub_with_tokens, capfd):
+    args = small_grpo_config(
+        tmp_path / "run",
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        push_to_hub=True,
+        hub_strategy="checkpoint",
+        hub_model_id="tester/secret-run",
+        hub_token=TOKENS["config hub_token"],
+        hub_push_backoff_s=0.01,
+    )
+    trainer = GRPOTrainer(
+        default_model_dir, exact_match_reward, args, train_dataset=addition_dataset("train", size=16), peft_config=LORA
+    )
+    trainer.train()
+    trainer.push_to_hub(token=TOKENS["push_to_hub(token=...)"])
+    files = hub_with_tokens.repos["tester/secret-run"]
+    # The uploads happened: the model at the root, the arguments, and the checkpoint pushed during training.
+    assert {"adapter_model.safetensors", "training_args.bin", "README.md"} <= set(files)
+    assert "last-checkpoint/training_args.bin" in files and "last-checkpoint/optimizer.pt" in files
+    assert _leaks(_everything_that_went_up(hub_with_tokens)) == []
+    # The pushed arguments still load, with everything but the secret (and the token field is there, empty).
+    (tmp_path / "pushed.bin").write_bytes(files["training_args.bin"])
+    loaded = torch.load(tmp_path / "pushed.bin", weights_only=False)
+    assert loaded.hub_token is None and loaded.learning_rate == args.learning_rate
+    assert loaded.hub_model_id == "tester/secret-run"
+    # Nothing local holds it either (checkpoints can be copied off the machine), nor what the run printed, nor what
+    # a tracker receives (TrainingArguments.to_dict, which masks *_token fields).
+    assert files_with_secrets(str(tmp_path / "run"), TOKENS.values()) == []
+    printed = capfd.readouterr()
+    assert _leaks({"stdout": printed.out.encode(), "stderr": printed.err.encode()}) == []
+    assert _leaks({"to_dict": repr(args.to_dict()).encode()}) == []
+    assert args.hub_token == TOKENS["config hub_token"]  # the caller's config is never changed
+
+
+def test_dpo_training_args_hold_no_token(default_model_dir, tmp_path, hub_with_tokens):
+    args = small_dpo_config(
+        tmp_path, max_steps=1, hub_model_id="tester/dpo-secret", hub_token=TOKENS["config hub_token"]
+    )
+    trainer = DPOTrainer(
+        default_model_dir, args=args, train_dataset=addition_preference_dataset(size=16), peft_config=LORA
+    )
+    trainer.train()
+    trainer.push_to_hub()
+    assert "training_args.bin" in hub_with_tokens.repos["tester/dpo-secret"]
+    assert _leaks(_everything_that_went_up(hub_with_tokens)) == []
+
+
+def test_a_file_holding_a_secret_stops_the_upload_and_names_the_file(default_model_dir, tmp_path, hub_with_tokens):
+    """The last look before an upload: a user's callback that wrote the token into the report is caught."""
+    args = small_grpo_config(tmp_path, max_steps=1, hub_model_id="tester/leaky", hub_push_backoff_s=0.01)
+    trainer = GRPOTrainer(
+        default_model_dir, exact_match_reward, args, train_dataset=addition_dataset("train", size=16), peft_config=LORA
+    )
+    trainer.train()
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "notes.md").write_text(f"debug: token={os.environ['HF_TOKEN']}\n")
+    with pytest.raises(SecretInUploadError, match=r"report/notes\.md") as raised:
+        trainer.push_to_hub()
+    assert TOKENS["HF_TOKEN"] not in str(raised.value)  # the error names the file, never the secret
+    assert hub_with_tokens.repos.get("tester/leaky", {}) == {}  # nothing went up
+
+
+def test_without_secrets_clears_every_token_field_of_a_copy(tmp_path):
+    args = small_grpo_config(tmp_path, hub_token="hf_abcdefgh12345678")
+    clean = without_secrets(args)
+    assert clean.hub_token is None and args.hub_token == "hf_abcdefgh12345678"
+    assert b"hf_abcdefgh12345678" not in pickle.dumps(clean) and b"hf_abcdefgh12345678" in pickle.dumps(args)
+
+
+def test_environment_secrets_are_found_by_name_and_short_values_ignored():
+    found = environment_secrets(
+        {
+            "MY_SERVICE_API_KEY": "k" * 20,
+            "S3_SECRET_ACCESS_KEY": "s" * 12,
+            "GITHUB_TOKEN": "1",
+            "PATH": "/usr/bin:" * 3,
+        }
+    )
+    assert found == {"k" * 20, "s" * 12}
+
+
+def test_check_folder_passes_a_clean_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("nothing to see")
+    (tmp_path / "empty").write_bytes(b"")
+    check_folder_has_no_secrets(str(tmp_path), ["hf_not_here_0123"], "a test folder")
