@@ -13,11 +13,16 @@ from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from trlx_scale import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig
+from trlx_scale import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from trlx_scale.generation.engine_options import check_tensor_parallel_layout
 from trlx_scale.generation.weight_sync import LoRAAdapterSync, choose_sync_mode, ram_backed_directory
-from trlx_scale.reliability.input_checks import check_prompts_fit_context
-from trlx_scale.tasks import addition_dataset, exact_match_reward
+from trlx_scale.reliability.input_checks import (
+    DPO_COLUMNS,
+    GRPO_COLUMNS,
+    check_dataset_columns,
+    check_prompts_fit_context,
+)
+from trlx_scale.tasks import addition_dataset, addition_preference_dataset, exact_match_reward
 
 from .helpers.trainers import small_dpo_config, small_grpo_config
 
@@ -67,6 +72,45 @@ def test_empty_train_dataset(default_model_dir, tmp_path):
         GRPOTrainer(default_model_dir, exact_match_reward, small_grpo_config(tmp_path), train_dataset=empty)
     with pytest.raises(ValueError, match=r"train_dataset is empty \(0 rows\)"):
         DPOTrainer(default_model_dir, args=small_dpo_config(tmp_path), train_dataset=empty)
+
+
+def test_dataset_without_the_columns_a_trainer_reads(default_model_dir, tmp_path):
+    """Without the check this was a bare ``KeyError: 'prompt'`` at the first batch (GRPO) or deep inside TRL's
+    preprocessing (DPO). The message lists the columns found and the ones needed, with a rename hint."""
+    questions = addition_dataset("train", size=8).rename_column("prompt", "question")
+    with pytest.raises(
+        ValueError,
+        match=r"train_dataset has the columns \['question', 'answer'\], but GRPOTrainer reads \('prompt'\)\. .*"
+        r"dataset\.rename_column\('question', 'prompt'\)",
+    ):
+        GRPOTrainer(default_model_dir, exact_match_reward, small_grpo_config(tmp_path), train_dataset=questions)
+    with pytest.raises(ValueError, match=r"eval_dataset\['held'\] has the columns \['question', 'answer'\]"):
+        GRPOTrainer(
+            default_model_dir,
+            exact_match_reward,
+            small_grpo_config(tmp_path),
+            train_dataset=addition_dataset("train", size=8),
+            eval_dataset={"held": questions},
+        )
+    with pytest.raises(ValueError, match=r"but PPOTrainer reads \('prompt'\)"):
+        PPOTrainer(default_model_dir, exact_match_reward, small_grpo_config(tmp_path, PPOConfig), questions)
+    pairs = addition_preference_dataset(size=8)
+    with pytest.raises(
+        ValueError,
+        match=r"has the columns \['prompt', 'chosen'\], but DPOTrainer reads \('prompt', 'chosen', 'rejected'\) or "
+        r"\('chosen', 'rejected'\) or \('prompt_ids', 'chosen_ids', 'rejected_ids'\)",
+    ):
+        DPOTrainer(default_model_dir, args=small_dpo_config(tmp_path), train_dataset=pairs.remove_columns("rejected"))
+    with pytest.raises(ValueError, match=r"but DPOTrainer \(online\) reads \('prompt'\)"):
+        DPOTrainer(
+            default_model_dir,
+            args=small_dpo_config(tmp_path, online=True),
+            train_dataset=pairs.remove_columns("prompt"),
+            reward_funcs=exact_match_reward,
+        )
+    # Accepted: plain-text prompts, and an implicit-prompt preference dataset (TRL extracts the prompt).
+    check_dataset_columns(addition_dataset("train", size=4, conversational=False), GRPO_COLUMNS, "GRPOTrainer")
+    check_dataset_columns(pairs.remove_columns("prompt"), DPO_COLUMNS, "DPOTrainer")
 
 
 def test_fp32_masters_with_an_optimizer_of_ones_own(default_model_dir, tmp_path):

@@ -23,6 +23,52 @@ def check_train_dataset(dataset: Any, field: str = "train_dataset") -> None:
         )
 
 
+# The columns each trainer reads, as alternatives (any one set suffices). The values of 'prompt', 'chosen' and
+# 'rejected' are plain strings or conversations (lists of {"role", "content"} messages); TRL accepts both.
+GRPO_COLUMNS = (("prompt",),)
+DPO_COLUMNS = (
+    ("prompt", "chosen", "rejected"),  # explicit prompt
+    ("chosen", "rejected"),  # implicit prompt: TRL extracts the shared start of chosen and rejected
+    ("prompt_ids", "chosen_ids", "rejected_ids"),  # already tokenized
+)
+ONLINE_DPO_COLUMNS = (("prompt",),)
+# Names datasets on the Hub commonly use for what these trainers call a prompt.
+_PROMPT_LIKE = ("question", "query", "problem", "instruction", "input", "messages", "conversations", "text")
+
+
+def _column_names(dataset: Any) -> list[str] | None:
+    names = getattr(dataset, "column_names", None)
+    if names is None and getattr(dataset, "features", None) is not None:
+        names = list(dataset.features)
+    return list(names) if names is not None else None
+
+
+def check_dataset_columns(dataset: Any, needs: Sequence[Sequence[str]], trainer: str, field: str = "train_dataset"):
+    """Refuse, before the first step, a dataset that lacks the columns ``trainer`` reads (else a bare ``KeyError:
+    'prompt'`` at the first batch). ``needs``: alternative column sets. A dict of datasets (several eval sets) is
+    checked one by one; a dataset whose columns are unknown (a streamed one without features) is not checked."""
+    if dataset is None:
+        return
+    if isinstance(dataset, dict):
+        for name, part in dataset.items():
+            check_dataset_columns(part, needs, trainer, f"{field}[{name!r}]")
+        return
+    found = _column_names(dataset)
+    if found is None or any(set(columns) <= set(found) for columns in needs):
+        return
+    wanted = " or ".join("(" + ", ".join(repr(c) for c in columns) + ")" for columns in needs)
+    hint = ""
+    prompt_like = [name for name in _PROMPT_LIKE if name in found]
+    if any("prompt" in columns for columns in needs) and prompt_like and "prompt" not in found:
+        hint = (
+            f" To use {prompt_like[0]!r} as the prompt: dataset = dataset.rename_column({prompt_like[0]!r}, 'prompt')."
+        )
+    raise ValueError(
+        f"{field} has the columns {found}, but {trainer} reads {wanted}. Each value is plain text or a conversation "
+        f"(a list of {{'role': ..., 'content': ...}} messages); other columns are passed to the reward functions.{hint}"
+    )
+
+
 def check_launch_matches(args: Any) -> None:
     """A launcher that started several processes must get a process group of that size. On a machine without a GPU,
     Accelerate forms one only with ``use_cpu=True`` (gloo; DeepSpeed with ``ddp_backend="gloo"``); without it every

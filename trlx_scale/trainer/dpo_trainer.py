@@ -41,7 +41,13 @@ from ..hub.push import HubPushMixin
 from ..planning.trainer_memory import PlannedMemoryMixin
 from ..profiling.trainer_profiling import PhaseProfilerMixin
 from ..reliability.checkpoints import AtomicCheckpointMixin
-from ..reliability.input_checks import check_launch_matches, check_train_dataset
+from ..reliability.input_checks import (
+    DPO_COLUMNS,
+    ONLINE_DPO_COLUMNS,
+    check_dataset_columns,
+    check_launch_matches,
+    check_train_dataset,
+)
 from ..reliability.nonfinite_guard import NonFiniteGuardMixin
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from .dpo_config import DPOConfig
@@ -112,6 +118,9 @@ class DPOTrainer(
             check_launch_matches(args)
         ours = isinstance(args, DPOConfig)
         self._online = ours and args.online
+        needs = ONLINE_DPO_COLUMNS if self._online else DPO_COLUMNS
+        check_dataset_columns(train_dataset, needs, type(self).__name__ + (" (online)" if self._online else ""))
+        check_dataset_columns(eval_dataset, DPO_COLUMNS, type(self).__name__, "eval_dataset")
         self._vllm_ref = ours and args.vllm_ref_log_probs
         self._engine: ColocatedVLLMGeneration | None = None  # built on first use (TRL's __init__ may need it)
         self._last_synced_step = -1

@@ -38,7 +38,7 @@ from ..prefix.shared_prefix import (
 )
 from ..profiling.trainer_profiling import PhaseProfilerMixin
 from ..reliability.checkpoints import AtomicCheckpointMixin
-from ..reliability.input_checks import check_launch_matches, check_train_dataset
+from ..reliability.input_checks import GRPO_COLUMNS, check_dataset_columns, check_launch_matches, check_train_dataset
 from ..reliability.nonfinite_guard import NonFiniteGuardMixin
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from .grpo_config import GRPOConfig
@@ -111,6 +111,8 @@ class GRPOTrainer(
             args.use_vllm = False
         self._loss_pass_inputs = None  # the batch of the loss pass in progress (see _compute_loss)
         check_train_dataset(train_dataset)
+        check_dataset_columns(train_dataset, GRPO_COLUMNS, type(self).__name__)
+        check_dataset_columns(eval_dataset, GRPO_COLUMNS, type(self).__name__, "eval_dataset")
         if args is not None:
             check_launch_matches(args)
         # Each synchronous reward function reports its failures on every rank (trlx_scale.reliability).
