@@ -105,7 +105,7 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_complete_one(t
 
     result = _resume(_command(tmp_path, "--resume"))
     assert result["resumed_from"] == _checkpoint(tmp_path, 2)
-    assert "skipped checkpoint-3, whose save did not finish" in result["log"]
+    assert "skipped checkpoint-3 (its save did not finish" in result["log"]
     assert result["trained_steps"] == [3, 4]  # the interrupted step 3 is redone, nothing before it
     for step in (1, 2, 3, 4):
         assert is_complete_checkpoint(_checkpoint(tmp_path, step)), step  # the torn one was replaced
@@ -139,7 +139,7 @@ def test_resume_refuses_a_torn_checkpoint_path_and_a_directory_with_none_complet
     (torn / "model.safetensors").write_bytes(b"partial")
     with pytest.raises(ValueError, match=r"torn checkpoint .*Resume from an older checkpoint-N"):
         resolve_resume_checkpoint(str(torn), str(tmp_path))
-    with pytest.raises(ValueError, match=r"found no complete checkpoint in output_dir"):
+    with pytest.raises(ValueError, match=r"found no complete, intact checkpoint in output_dir"):
         resolve_resume_checkpoint(True, str(tmp_path))
     with pytest.raises(ValueError, match="is not a directory"):
         resolve_resume_checkpoint(str(tmp_path / "checkpoint-9"), str(tmp_path))

@@ -7,25 +7,60 @@ finished its part of the save), so a directory without it is a torn write. Resum
 newest checkpoint with a marker and says which newer directories it skipped; a torn directory is removed when the
 run saves the same step again. Checkpoint rotation (``save_total_limit``) runs only after the marker exists, so the
 previous complete checkpoint is never deleted before the new one is complete.
+
+The marker also records each file's size and checksum (``checkpoint_integrity.py``): resuming verifies them, a damaged
+checkpoint named explicitly is refused with the file, and "the latest" falls back to the previous good one with a
+warning. Before a save the disk's free space is checked against the save's size, and an out-of-space error during
+one names the directory and the bytes (``disk_space.py``).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 
 from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils import logging
 
 from ..atomic_files import write_text_atomically
+from .checkpoint_integrity import ALGORITHM, Gather, checksum_files, damaged_files
+from .disk_space import (
+    CheckpointDiskSpaceError,
+    disk_space_message,
+    existing_ancestor,
+    is_out_of_space,
+    space_shortfall,
+)
 
 logger = logging.get_logger(__name__)
 
 CHECKPOINT_COMPLETE_MARKER = "trlx_scale_checkpoint_complete.json"
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+DEFAULT_VERIFY_CHECKPOINTS = True
+# A checkpoint's problems: one line per damaged file (empty: intact). Default: checked by this process alone.
+Verifier = Callable[[str], list[str]]
+
+
+def read_marker(path: str) -> dict:
+    with open(os.path.join(path, CHECKPOINT_COMPLETE_MARKER)) as handle:
+        return json.load(handle)
+
+
+def verify_checkpoint(path: str, rank: int = 0, world_size: int = 1, gather: Gather | None = None) -> list[str]:
+    """The damaged files of a complete checkpoint against the checksums of its marker (empty: intact). A marker of
+    an older trlx_scale has no checksums: nothing to verify, a warning says so."""
+    recorded = read_marker(path).get("files")
+    if recorded is None:
+        logger.warning("%s records no checksums (saved by an older trlx_scale): resuming from it unverified.", path)
+        return []
+    if gather is None:
+        return damaged_files(path, recorded)
+    return damaged_files(path, recorded, rank, world_size, gather)
 
 
 def is_complete_checkpoint(path: str) -> bool:
@@ -46,38 +81,41 @@ def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def latest_complete_checkpoint(output_dir: str) -> str | None:
+def latest_complete_checkpoint(output_dir: str, verify: Verifier | None = None) -> str | None:
     """The newest complete checkpoint in ``output_dir`` (None if there is none); newer torn ones are skipped with a
-    warning."""
+    warning, and so are damaged ones when ``verify`` is given (each named with its damaged files)."""
     skipped = []
     for _, path in reversed(checkpoint_dirs(output_dir)):
-        if is_complete_checkpoint(path):
-            if skipped:
-                logger.warning(
-                    "Resuming from %s: skipped %s, whose save did not finish (no %s).",
-                    path,
-                    ", ".join(skipped),
-                    CHECKPOINT_COMPLETE_MARKER,
-                )
-            return path
-        skipped.append(os.path.basename(path))
+        if not is_complete_checkpoint(path):
+            skipped.append(f"{os.path.basename(path)} (its save did not finish: no {CHECKPOINT_COMPLETE_MARKER})")
+            continue
+        problems = verify(path) if verify is not None else []
+        if problems:
+            skipped.append(f"{os.path.basename(path)} (damaged: {'; '.join(problems)})")
+            continue
+        if skipped:
+            logger.warning("Resuming from %s: skipped %s.", path, ", ".join(skipped))
+        return path
     if skipped:
-        logger.warning("No complete checkpoint in %s: %s never finished saving.", output_dir, ", ".join(skipped))
+        logger.warning("No usable checkpoint in %s: %s.", output_dir, ", ".join(skipped))
     return None
 
 
-def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
-    """``True``: the latest complete checkpoint (an error if there is none); a path: that checkpoint, refused if
-    its save never finished; None/False: no resume."""
+def resolve_resume_checkpoint(
+    resume_from_checkpoint: str | bool | None, output_dir: str, verify: Verifier | None = verify_checkpoint
+) -> str | None:
+    """``True``: the latest complete, intact checkpoint (an error if there is none); a path: that checkpoint,
+    refused if its save never finished or a file of it is damaged; None/False: no resume. ``verify``: the checksum
+    check (None skips it)."""
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
     if resume_from_checkpoint is True:
-        path = latest_complete_checkpoint(output_dir)
+        path = latest_complete_checkpoint(output_dir, verify)
         if path is None:
             raise ValueError(
-                f"resume_from_checkpoint=True found no complete checkpoint in output_dir={output_dir!r} (a complete "
-                f"one holds {CHECKPOINT_COMPLETE_MARKER}). Start without resume_from_checkpoint, or pass the path of "
-                "a checkpoint written by another tool explicitly."
+                f"resume_from_checkpoint=True found no complete, intact checkpoint in output_dir={output_dir!r} (a "
+                f"complete one holds {CHECKPOINT_COMPLETE_MARKER}; the warning above names what was skipped). Start "
+                "without resume_from_checkpoint, or pass the path of a checkpoint written by another tool explicitly."
             )
         return path
     path = str(resume_from_checkpoint)
@@ -91,23 +129,80 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
                 "resume_from_checkpoint=True to take the latest complete one."
             )
         logger.warning("%s has no completion marker (saved by another tool?): resuming from it anyway.", path)
+        return path
+    problems = verify(path) if verify is not None else []
+    if problems:
+        raise ValueError(
+            f"resume_from_checkpoint={path!r} is damaged: {'; '.join(problems)}. Resume from an older checkpoint-N, "
+            "or use resume_from_checkpoint=True to take the latest intact one (or set verify_checkpoints=False to "
+            "load it anyway)."
+        )
     return path
 
 
-def mark_checkpoint_complete(path: str, global_step: int) -> None:
-    """Write the completion marker (after every file of the checkpoint is on disk)."""
-    write_text_atomically(
-        os.path.join(path, CHECKPOINT_COMPLETE_MARKER),
-        json.dumps({"global_step": global_step, "completed_at": time.time()}),
-    )
+def mark_checkpoint_complete(path: str, global_step: int, files: dict[str, dict] | None = None) -> None:
+    """Write the completion marker (after every file of the checkpoint is on disk), with each file's size and
+    checksum when ``files`` is given (``checkpoint_integrity.checksum_files``)."""
+    marker: dict = {"global_step": global_step, "completed_at": time.time()}
+    if files is not None:
+        marker.update(algorithm=ALGORITHM, files=files)
+    write_text_atomically(os.path.join(path, CHECKPOINT_COMPLETE_MARKER), json.dumps(marker, indent=1))
+
+
+def checkpoint_bytes(path: str) -> int | None:
+    """The size of a complete checkpoint from its marker (None when the marker records no files)."""
+    files = read_marker(path).get("files")
+    return None if files is None else sum(entry["bytes"] for entry in files.values())
 
 
 class AtomicCheckpointMixin:
-    """Mixed into a trainer: completion markers on save, torn checkpoints skipped on resume."""
+    """Mixed into a trainer: completion markers with checksums on save, torn and damaged checkpoints skipped on
+    resume, the disk's free space checked before each save. Reads ``verify_checkpoints`` from the config."""
+
+    def _verify_checkpoints(self) -> bool:
+        return getattr(self.args, "verify_checkpoints", DEFAULT_VERIFY_CHECKPOINTS)
+
+    def _gather(self, items: list) -> list:
+        from accelerate.utils import gather_object
+
+        return gather_object(items) if self.accelerator.num_processes > 1 else items
+
+    def _verify_on_every_rank(self, path: str) -> list[str]:
+        """The checksum check, split across ranks; every rank gets the same answer."""
+        return verify_checkpoint(path, self.accelerator.process_index, self.accelerator.num_processes, self._gather)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        verify = self._verify_on_every_rank if self._verify_checkpoints() else None
+        resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir, verify)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _free_disk_bytes(self, directory: str) -> int:
+        """Seam for tests: the free bytes of the filesystem holding ``directory``."""
+        return shutil.disk_usage(existing_ancestor(directory)).free
+
+    def _expected_checkpoint_bytes(self, run_dir: str) -> tuple[int, str]:
+        """What the next save writes: the previous complete checkpoint's size, else the model and optimizer states
+        this rank holds (what transformers saves: trained weights, or all weights, and the optimizer's tensors)."""
+        for _, path in reversed(checkpoint_dirs(run_dir)):
+            if is_complete_checkpoint(path) and (size := checkpoint_bytes(path)) is not None:
+                return size, f"the size of {os.path.basename(path)}"
+        import torch
+
+        model = self.accelerator.unwrap_model(self.model)
+        peft = hasattr(model, "peft_config")
+        weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not peft)
+        optimizer = 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                optimizer += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+        return weights + optimizer, "the model's saved weights and the optimizer's state, estimated"
+
+    def _check_disk_space(self, path: str, run_dir: str) -> None:
+        needed, basis = self._expected_checkpoint_bytes(run_dir)
+        shortfall = space_shortfall(path, needed, self._free_disk_bytes(path), basis)
+        shortfalls = self._gather([shortfall] if shortfall else [])  # every rank stops, or none does
+        if shortfalls:
+            raise CheckpointDiskSpaceError(errno.ENOSPC, shortfalls[0])
 
     def _save_checkpoint(self, model, trial) -> None:
         run_dir = self._get_output_dir(trial=trial)
@@ -116,18 +211,28 @@ class AtomicCheckpointMixin:
             logger.warning("Removing %s: a torn checkpoint of an earlier run (its save never finished).", path)
             shutil.rmtree(path)
         self.accelerator.wait_for_everyone()
+        self._check_disk_space(path, run_dir)
         # transformers rotates (deletes old checkpoints) at the end of its save, before the marker could exist: the
         # rotation is held back (on this trainer's own args, restored right after) and run once the marker is there.
         limit, self.args.save_total_limit = self.args.save_total_limit, None
         try:
             super()._save_checkpoint(model, trial)
+            if not self.args.save_only_model:
+                self._save_extra_state(path)
+        except Exception as error:
+            if not is_out_of_space(error):
+                raise
+            needed, basis = self._expected_checkpoint_bytes(run_dir)
+            message = disk_space_message(path, needed, self._free_disk_bytes(path), basis, during=True)
+            raise CheckpointDiskSpaceError(errno.ENOSPC, f"{message} (the writer said: {error})") from error
         finally:
             self.args.save_total_limit = limit
-        if not self.args.save_only_model:
-            self._save_extra_state(path)
         self.accelerator.wait_for_everyone()  # every rank's part of the checkpoint is written
+        files = None
+        if self._verify_checkpoints():
+            files = checksum_files(path, self.accelerator.process_index, self.accelerator.num_processes, self._gather)
         if self.args.should_save:
-            mark_checkpoint_complete(path, self.state.global_step)
+            mark_checkpoint_complete(path, self.state.global_step, files)
             rotate_checkpoints(
                 output_dir=run_dir,
                 save_total_limit=limit,

@@ -196,7 +196,7 @@ REWARD_ERROR_MODES = ("raise", "skip")
 
 @dataclass
 class ReliabilityFields:
-    """Fault handling (trlx_scale.reliability): non-finite steps and failing reward functions."""
+    """Fault handling (trlx_scale.reliability): non-finite steps, failing reward functions, checkpoint integrity."""
 
     max_consecutive_skipped_steps: int = field(
         default=3,
@@ -214,6 +214,15 @@ class ReliabilityFields:
             "with None: the other functions' rewards still count), count it in reliability/reward_errors, go on. "
             "A reward of inf is an error in both modes.",
             "choices": list(REWARD_ERROR_MODES),
+        },
+    )
+    verify_checkpoints: bool = field(
+        default=True,
+        metadata={
+            "help": "Record the size and SHA-256 of every file of a checkpoint in its completion marker and verify "
+            "them on resume: a damaged checkpoint given by path is refused naming the file, resume_from_checkpoint="
+            "True falls back to the newest intact one. The hashing is split across ranks; its cost per GB is in "
+            "docs/benchmarks.md. False: neither recorded nor verified."
         },
     )
 
