@@ -7,7 +7,12 @@ python tests/scripts/interrupted_run.py OUTPUT_DIR [--stall save:N | --stall gen
 --stall generate:N the rollout of step N stops inside generation
 --stall optimizer:N step N stops right before its optimizer step (gradients computed, weights not yet updated)
 The stall writes OUTPUT_DIR/stalled (the test waits for it) and sleeps until killed. The run prints one JSON line
-"RESULT {...}" at the end: the steps it trained and the checkpoint it resumed from.
+"RESULT {...}" at the end: the steps it trained, the checkpoint it resumed from, and the logged loss, reward and
+gradient norm of every step of the run (those before a resume come from the checkpoint's trainer state).
+
+--save_steps S     save every S steps (default 1)
+--pid_dir DIR      each rank writes DIR/rank<R>.pid at start, and DIR/progress (rank 0) after each step
+--slow_steps S     each step starts with S seconds of sleep (a long step, for signals to land inside one)
 """
 
 import argparse
@@ -24,11 +29,24 @@ from trlx_scale.tasks import addition_dataset, default_model_path, exact_match_r
 
 
 class _RecordSteps(TrainerCallback):
-    def __init__(self, steps: list[int]):
+    def __init__(self, steps: list[int], progress_file: str | None = None):
         self.steps = steps
+        self.progress_file = progress_file
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append(state.global_step)
+        if self.progress_file and state.is_world_process_zero:
+            with open(self.progress_file + ".tmp", "w") as handle:
+                handle.write(str(state.global_step))
+            os.replace(self.progress_file + ".tmp", self.progress_file)
+
+
+class _SlowSteps(TrainerCallback):
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
 
 
 class _StallBeforeOptimizerStep(TrainerCallback):
@@ -64,6 +82,9 @@ def main() -> None:
     parser.add_argument("--stall", default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--max_steps", type=int, default=4)
+    parser.add_argument("--save_steps", type=int, default=1)
+    parser.add_argument("--pid_dir", default=None)
+    parser.add_argument("--slow_steps", type=float, default=0.0)
     cli = parser.parse_args()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     args = GRPOConfig(
@@ -75,7 +96,7 @@ def main() -> None:
         learning_rate=1e-4,
         logging_steps=1,
         save_strategy="steps",
-        save_steps=1,
+        save_steps=cli.save_steps,
         report_to="none",
         seed=5,
         bf16=False,
@@ -90,16 +111,30 @@ def main() -> None:
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
     )
     trainer.steps_trained_here = []
-    trainer.add_callback(_RecordSteps(trainer.steps_trained_here))
+    progress = None
+    if cli.pid_dir:
+        os.makedirs(cli.pid_dir, exist_ok=True)
+        with open(os.path.join(cli.pid_dir, f"rank{trainer.accelerator.process_index}.pid"), "w") as handle:
+            handle.write(str(os.getpid()))
+        progress = os.path.join(cli.pid_dir, "progress")
+    trainer.add_callback(_RecordSteps(trainer.steps_trained_here, progress))
     trainer.add_callback(_StallBeforeOptimizerStep(trainer))
+    if cli.slow_steps:
+        trainer.add_callback(_SlowSteps(cli.slow_steps))
     if cli.stall:
         where, step = cli.stall.split(":")
         trainer.stall = (where, int(step))
     resumed_from = resolve_resume_checkpoint(True, cli.output_dir) if cli.resume else None
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
     trained_steps = trainer.steps_trained_here
+    logged = {
+        entry["step"]: [entry["loss"], entry["reward"], entry["grad_norm"]]
+        for entry in trainer.state.log_history
+        if "loss" in entry
+    }
     if trainer.accelerator.is_main_process:
-        print("RESULT " + json.dumps({"resumed_from": resumed_from, "trained_steps": trained_steps}), flush=True)
+        result = {"resumed_from": resumed_from, "trained_steps": trained_steps, "logged": logged}
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ previous complete checkpoint is never deleted before the new one is complete.
 The marker also records each file's size and checksum (``checkpoint_integrity.py``): resuming verifies them, a damaged
 checkpoint named explicitly is refused with the file, and "the latest" falls back to the previous good one with a
 warning. Before a save the disk's free space is checked against the save's size, and an out-of-space error during
-one names the directory and the bytes (``disk_space.py``).
+one names the directory and the bytes (``disk_space.py``). A preemption signal finishes the step, saves it and exits
+with a code of its own (``preemption.py``).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ from .disk_space import (
     is_out_of_space,
     space_shortfall,
 )
+from .preemption import PreemptionCallback, PreemptionHandler, TrainingPreempted, write_main_pid
 
 logger = logging.get_logger(__name__)
 
 CHECKPOINT_COMPLETE_MARKER = "trlx_scale_checkpoint_complete.json"
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 DEFAULT_VERIFY_CHECKPOINTS = True
+DEFAULT_SAVE_ON_PREEMPTION = True
 # A checkpoint's problems: one line per damaged file (empty: intact). Default: checked by this process alone.
 Verifier = Callable[[str], list[str]]
 
@@ -174,7 +177,39 @@ class AtomicCheckpointMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         verify = self._verify_on_every_rank if self._verify_checkpoints() else None
         resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir, verify)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        handler = PreemptionHandler()
+        callback = PreemptionCallback(handler, self._any_rank)
+        pid_file = None
+        if getattr(self.args, "save_on_preemption", DEFAULT_SAVE_ON_PREEMPTION) and handler.install():
+            self.add_callback(callback)
+            if self.is_world_process_zero():
+                pid_file = write_main_pid(self.args.output_dir)
+        try:
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            handler.uninstall()
+            self.remove_callback(callback)
+            if pid_file is not None and os.path.exists(pid_file):
+                os.remove(pid_file)
+        if callback.preempted_at is not None:
+            step = callback.preempted_at
+            error = TrainingPreempted(
+                step, os.path.join(self.args.output_dir, f"checkpoint-{step}"), handler.signal_name
+            )
+            logger.warning("%s", error)
+            raise error
+        return result
+
+    def _any_rank(self, flag: bool) -> bool:
+        """``flag`` OR-ed over every rank (one MAX all-reduce; every rank calls it at the same step)."""
+        import torch
+        import torch.distributed as dist
+
+        if self.accelerator.num_processes == 1 or not dist.is_initialized():
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
 
     def _free_disk_bytes(self, directory: str) -> int:
         """Seam for tests: the free bytes of the filesystem holding ``directory``."""

@@ -225,6 +225,15 @@ class ReliabilityFields:
             "docs/benchmarks.md. False: neither recorded nor verified."
         },
     )
+    save_on_preemption: bool = field(
+        default=True,
+        metadata={
+            "help": "On SIGTERM or SIGUSR1 (Slurm's --signal, Kubernetes, spot instances) finish the current step on "
+            "every rank (one rank receiving the signal is enough), save a complete checkpoint and exit with code 75 "
+            "(TrainingPreempted); a second signal exits at once. Resume with resume_from_checkpoint=True. False: "
+            "the signals keep their previous handlers."
+        },
+    )
 
     def validate_reliability_fields(self) -> None:
         if not isinstance(self.max_consecutive_skipped_steps, int) or self.max_consecutive_skipped_steps < 0:

@@ -1,0 +1,160 @@
+"""Preemption: SIGTERM/SIGUSR1 finishes the step, saves a complete checkpoint on every rank's agreement and exits
+with code 75; a second signal exits at once; the restarted run resumes and repeats the uninterrupted one.
+
+The runs are tests/scripts/interrupted_run.py (LoRA GRPO on the embedded model, regular saves off: save_steps=100,
+so the only checkpoint is the one the signal asked for)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from transformers import TrainerControl, TrainerState
+
+from trlx_scale.reliability import is_complete_checkpoint
+from trlx_scale.reliability.checkpoints import checkpoint_dirs
+from trlx_scale.reliability.preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, PreemptionHandler
+
+from .helpers.launch import LAUNCH_VARIABLES, REPO_ROOT
+
+SCRIPT = os.path.join(REPO_ROOT, "tests", "scripts", "interrupted_run.py")
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+CPU_DDP = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml")
+STEPS = 5
+
+
+def _env() -> dict:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    for name in LAUNCH_VARIABLES:
+        env.pop(name, None)
+    return env
+
+
+def _command(output_dir, *extra, processes: int = 1, port: int = 29591) -> list[str]:
+    arguments = [SCRIPT, str(output_dir), "--max_steps", str(STEPS), "--save_steps", "100", *extra]
+    if processes == 1:
+        return [sys.executable, *arguments]
+    return [ACCELERATE, "launch", "--config_file", CPU_DDP, "--main_process_port", str(port), *arguments]
+
+
+def _result(stdout: str) -> dict:
+    line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def _run(command) -> dict:
+    done = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    return _result(done.stdout)
+
+
+def _signal_once_progressed(command, pid_dir, target_rank: int, signals, after_step: int = 2):
+    """Start the run, wait until rank 0 finished ``after_step`` steps, send ``signals`` to rank ``target_rank``;
+    return (exit code, output, rank 0's last finished step when the run ended)."""
+    process = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    progress = os.path.join(pid_dir, "progress")
+    deadline = time.monotonic() + 400
+    while not (os.path.exists(progress) and int(open(progress).read() or 0) >= after_step):
+        assert process.poll() is None, process.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "the run never reached the step to signal"
+        time.sleep(0.05)
+    with open(os.path.join(pid_dir, f"rank{target_rank}.pid")) as handle:
+        pid = int(handle.read())
+    for index, number in enumerate(signals):
+        if index:
+            time.sleep(0.5)  # a signal sent while the same one is still pending would merge with it
+        os.kill(pid, number)
+    output, _ = process.communicate(timeout=300)
+    return process.returncode, output, int(open(progress).read())
+
+
+def _same_metrics(interrupted: dict, straight: dict) -> None:
+    assert sorted(interrupted) == sorted(straight) == [str(step) for step in range(1, STEPS + 1)]
+    for step, values in straight.items():
+        for ours, theirs in zip(interrupted[step], values, strict=True):
+            assert math.isclose(ours, theirs, rel_tol=1e-6, abs_tol=1e-9), (step, interrupted[step], values)
+
+
+def test_sigterm_saves_the_step_in_progress_exits_75_and_the_resumed_run_repeats_the_straight_one(tmp_path):
+    straight = _run(_command(tmp_path / "straight"))
+    code, output, finished = _signal_once_progressed(
+        _command(tmp_path / "run", "--pid_dir", str(tmp_path / "pids")), tmp_path / "pids", 0, [signal.SIGTERM]
+    )
+    assert code == PREEMPTED_EXIT_CODE, output[-4000:]
+    assert "SIGTERM received: finishing this step" in output
+    saved = [step for step, path in checkpoint_dirs(str(tmp_path / "run")) if is_complete_checkpoint(path)]
+    assert saved == [finished] and 2 <= finished < STEPS  # the step in progress was finished and saved: none lost
+    assert f"Preempted by SIGTERM: step {finished} finished and saved" in output
+    assert not os.path.exists(tmp_path / "run" / "trlx_scale_main.pid")  # removed when train() ends
+    resumed = _run(_command(tmp_path / "run", "--resume"))
+    assert resumed["trained_steps"] == list(range(finished + 1, STEPS + 1))
+    _same_metrics(resumed["logged"], straight["logged"])
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_of_two_stops_both_at_the_same_step_and_nothing_is_lost(tmp_path):
+    """accelerate launch, 2 processes (cpu_ddp.yaml): SIGUSR1 to rank 1 only, mid-run. Both ranks finish that step,
+    the checkpoint is complete (both ranks' parts), and the restart repeats the uninterrupted run's metrics."""
+    straight = _run(_command(tmp_path / "straight", processes=2))
+    code, output, finished = _signal_once_progressed(
+        _command(tmp_path / "run", "--pid_dir", str(tmp_path / "pids"), processes=2, port=29593),
+        tmp_path / "pids",
+        1,
+        [signal.SIGUSR1],
+    )
+    assert code != 0, output[-4000:]  # the launcher reports its workers' exit code 75 as a failure
+    assert "SIGUSR1 received: finishing this step" in output
+    assert f"Preempted by a signal on another rank: step {finished} finished" in output  # rank 0 agreed
+    saved = [step for step, path in checkpoint_dirs(str(tmp_path / "run")) if is_complete_checkpoint(path)]
+    assert saved == [finished] and 2 <= finished < STEPS
+    with open(tmp_path / "run" / f"checkpoint-{finished}" / "trlx_scale_checkpoint_complete.json") as handle:
+        files = json.load(handle)["files"]
+    assert {"rng_state_0.pth", "rng_state_1.pth", "rollout_state_rank1.pt"} <= set(files)
+    resumed = _run(_command(tmp_path / "run", "--resume", processes=2, port=29595))
+    assert resumed["trained_steps"] == list(range(finished + 1, STEPS + 1))
+    _same_metrics(resumed["logged"], straight["logged"])
+
+
+def test_a_second_signal_exits_at_once_without_saving(tmp_path):
+    code, output, _ = _signal_once_progressed(
+        _command(tmp_path / "run", "--pid_dir", str(tmp_path / "pids"), "--slow_steps", "3"),
+        tmp_path / "pids",
+        0,
+        [signal.SIGTERM, signal.SIGTERM],
+        after_step=1,
+    )
+    assert code == 128 + signal.SIGTERM, output[-4000:]
+    assert "second preemption signal (SIGTERM): exiting now, without saving" in output
+    assert not any(is_complete_checkpoint(path) for _, path in checkpoint_dirs(str(tmp_path / "run")))
+
+
+def test_handler_and_callback_without_a_trainer():
+    exits: list[int] = []
+    handler = PreemptionHandler(exit_now=exits.append)
+    previous = signal.getsignal(signal.SIGUSR1)
+    assert handler.install()
+    try:
+        callback = PreemptionCallback(handler, any_rank=lambda flag: flag)
+        control = callback.on_step_end(None, TrainerState(global_step=3), TrainerControl())
+        assert not control.should_save and callback.preempted_at is None  # no signal yet
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert handler.received == signal.SIGUSR1 and handler.signal_name == "SIGUSR1"
+        control = callback.on_step_end(None, TrainerState(global_step=4), TrainerControl())
+        assert control.should_save and control.should_training_stop and callback.preempted_at == 4
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert exits == [128 + signal.SIGUSR1]
+    finally:
+        handler.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is previous  # restored after train()
+    # Another rank's signal: this rank received none, the all-reduce says one did.
+    other = PreemptionCallback(PreemptionHandler(), any_rank=lambda flag: True)
+    assert other.on_step_end(None, TrainerState(global_step=7), TrainerControl()).should_save
+    assert other.handler.signal_name == "a signal on another rank"
