@@ -274,6 +274,9 @@ class AtomicCheckpointMixin:
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
+        # No rank goes on (and, when preempted, exits) before the marker exists: a launcher that kills the whole job
+        # when one process exits (srun --kill-on-bad-exit) must never cut rank 0 off before it.
+        self.accelerator.wait_for_everyone()
 
     def _save_extra_state(self, checkpoint_dir: str) -> None:
         """Seam: trainer state transformers does not save (GRPO's rollout buffer, PPO's critic), written on every
