@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from trlx_scale.generation.rollout_seeds import RolloutSeedContext, request_seed
+from trlx_scale.reliability import CHECKPOINT_COMPLETE_MARKER
 from trlx_scale.trainer.ppo_trainer import PPO_STATE_NAME
 
 from .helpers.launch import LAUNCH_VARIABLES, REPO_ROOT
@@ -65,6 +66,14 @@ def test_ppo_refuses_to_resume_without_its_critic(tmp_path):
     _run("ppo_separate", tmp_path / "straight")
     checkpoint = tmp_path / "straight" / "checkpoint-1"
     os.remove(checkpoint / PPO_STATE_NAME)
+    # The completion marker's checksums see the missing file first and name it ...
+    stderr = _run("ppo_separate", tmp_path / "resumed", resume=checkpoint, expect_failure=True)
+    assert f"is damaged: {PPO_STATE_NAME} is missing" in stderr
+    # ... and a checkpoint whose marker records no checksums (an older trlx_scale's) meets PPO's own check.
+    marker = checkpoint / CHECKPOINT_COMPLETE_MARKER
+    marker.write_text(
+        json.dumps({key: value for key, value in json.loads(marker.read_text()).items() if key != "files"})
+    )
     stderr = _run("ppo_separate", tmp_path / "resumed", resume=checkpoint, expect_failure=True)
     assert f"has no {PPO_STATE_NAME} (the critic, its optimizer and the KL coefficient)" in stderr
     shutil.rmtree(tmp_path / "straight")

@@ -29,7 +29,7 @@ def test_shipped_config_is_generated_and_loads_through_accelerate(name):
     if plan.backend == "fsdp2":
         assert config.distributed_type.value == "FSDP"
         assert config.fsdp_config["fsdp_version"] == 2
-        assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+        assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"  # per-rank shards, no rank-0 gather
         assert config.fsdp_config["fsdp_offload_params"] is plan.offload
     elif plan.backend == "zero3":
         assert config.distributed_type.value == "DEEPSPEED"

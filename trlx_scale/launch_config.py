@@ -30,7 +30,8 @@ KEY_COMMENTS = {
     "mixed_precision": "bf16 compute; fp32 masters stay in the optimizer / sharded params (docs/optimizers.md)",
     "fsdp_version": "FSDP2 (per-parameter DTensor sharding)",
     "fsdp_offload_params": "CPU offload of parameters, gradients and optimizer states",
-    "fsdp_state_dict_type": "FULL_STATE_DICT: save_model writes consolidated weights/adapters the Hub and vLLM load",
+    "fsdp_state_dict_type": "SHARDED: checkpoints are per-rank DCP shards (resumable at another world size); "
+    "save_model and the Hub push still write consolidated weights (trlx_scale)",
     "fsdp_reshard_after_forward": "free gathered parameters after forward (ZeRO-3-like memory)",
     "fsdp_cpu_ram_efficient_loading": "only rank 0 reads the checkpoint, others receive it by broadcast",
     "fsdp_activation_checkpointing": "off here: use the trainer's gradient_checkpointing, which TRL manages",
@@ -108,7 +109,9 @@ class LaunchPlan:
                 "fsdp_cpu_ram_efficient_loading": True,
                 "fsdp_offload_params": self.offload,
                 "fsdp_reshard_after_forward": True,
-                "fsdp_state_dict_type": "FULL_STATE_DICT",
+                # Each rank writes its own shards: FULL_STATE_DICT would gather the whole model and optimizer on rank 0
+                # at every save (docs/reliability.md, "Sharded and asynchronous checkpoints").
+                "fsdp_state_dict_type": "SHARDED_STATE_DICT",
                 "fsdp_activation_checkpointing": False,
             }
         else:

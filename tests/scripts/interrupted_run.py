@@ -11,6 +11,7 @@ The stall writes OUTPUT_DIR/stalled (the test waits for it) and sleeps until kil
 gradient norm of every step of the run (those before a resume come from the checkpoint's trainer state).
 
 --save_steps S     save every S steps (default 1)
+--per_device_train_batch_size B   (default 4; 4 samples of each prompt, so B/4 prompts per rank per step)
 --pid_dir DIR      each rank writes DIR/rank<R>.pid at start, and DIR/progress (rank 0) after each step
 --slow_steps S     each step starts with S seconds of sleep (a long step, for signals to land inside one)
 """
@@ -26,6 +27,7 @@ from transformers import TrainerCallback
 from trlx_scale import GRPOConfig, GRPOTrainer
 from trlx_scale.reliability.checkpoints import resolve_resume_checkpoint
 from trlx_scale.tasks import addition_dataset, default_model_path, exact_match_reward
+from trlx_scale.tasks.example_runtime import cpu_launch_defaults
 
 
 class _RecordSteps(TrainerCallback):
@@ -83,13 +85,13 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--max_steps", type=int, default=4)
     parser.add_argument("--save_steps", type=int, default=1)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=4)
     parser.add_argument("--pid_dir", default=None)
     parser.add_argument("--slow_steps", type=float, default=0.0)
     cli = parser.parse_args()
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     args = GRPOConfig(
         output_dir=cli.output_dir,
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=cli.per_device_train_batch_size,
         num_generations=4,
         max_completion_length=4,
         max_steps=cli.max_steps,
@@ -99,9 +101,8 @@ def main() -> None:
         save_steps=cli.save_steps,
         report_to="none",
         seed=5,
-        bf16=False,
         disable_tqdm=True,
-        **({"use_cpu": True, "ddp_backend": "gloo"} if distributed else {}),
+        **{"bf16": False, **cpu_launch_defaults()},  # gloo under a launcher (use_cpu too, except under DeepSpeed)
     )
     trainer = StallingGRPOTrainer(
         model=default_model_path(),

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from transformers.utils import logging
 
+from ..reliability.sharded_checkpoint import consolidated_model_state, uses_sharded_fsdp_checkpoints
 from .model_card import trlx_scale_card_section
 from .secrets import check_folder_has_no_secrets, known_secrets, write_training_args
 
@@ -127,6 +128,11 @@ class HubPushMixin:
             write_training_args(self.args, output_dir if output_dir is not None else self.args.output_dir)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if uses_sharded_fsdp_checkpoints(self) and not _internal_call:
+            # transformers' save_model writes nothing under SHARDED_STATE_DICT; a user's save_model (and the Hub's)
+            # gets the consolidated model, training checkpoints (internal calls) keep their per-rank shards.
+            self._save_consolidated(output_dir or self.args.output_dir)
+            return
         # transformers' save_model also uploads when args.push_to_hub is set: a first, unretried upload of the whole
         # output_dir before the run's summary and card exist, then push_to_hub uploads again. Here saving only
         # saves; the upload is push_to_hub's, once (checkpoint uploads during training, hub_strategy, are unchanged).
@@ -188,9 +194,18 @@ class HubPushMixin:
         shutil.rmtree(staging, ignore_errors=True)
         return info
 
+    def _save_consolidated(self, output_dir: str) -> None:
+        state = consolidated_model_state(self.model)  # collective: every rank
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
+        self.accelerator.wait_for_everyone()
+
     def _save_for_hub(self, staging: str) -> None:
         if not self._hub_option("push_merged", False):
-            self.save_model(staging, _internal_call=True)
+            if uses_sharded_fsdp_checkpoints(self):
+                self._save_consolidated(staging)
+            else:
+                self.save_model(staging, _internal_call=True)
             return
         model = self.accelerator.unwrap_model(self.model)
         if not hasattr(model, "merge_and_unload"):

@@ -25,11 +25,13 @@ import shutil
 import time
 from collections.abc import Callable
 
+from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils import logging
 
 from ..atomic_files import write_text_atomically
 from .checkpoint_integrity import ALGORITHM, Gather, checksum_files, damaged_files
+from .deepspeed_reshard import convert_to_universal, saved_world_size
 from .disk_space import (
     CheckpointDiskSpaceError,
     disk_space_message,
@@ -38,6 +40,7 @@ from .disk_space import (
     space_shortfall,
 )
 from .preemption import PreemptionCallback, PreemptionHandler, TrainingPreempted, write_main_pid
+from .sharded_checkpoint import PendingShardedSave, save_sharded, uses_sharded_fsdp_checkpoints
 
 logger = logging.get_logger(__name__)
 
@@ -45,6 +48,7 @@ CHECKPOINT_COMPLETE_MARKER = "trlx_scale_checkpoint_complete.json"
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 DEFAULT_VERIFY_CHECKPOINTS = True
 DEFAULT_SAVE_ON_PREEMPTION = True
+DEFAULT_ASYNC_CHECKPOINTS = False
 # A checkpoint's problems: one line per damaged file (empty: intact). Default: checked by this process alone.
 Verifier = Callable[[str], list[str]]
 
@@ -143,13 +147,23 @@ def resolve_resume_checkpoint(
     return path
 
 
-def mark_checkpoint_complete(path: str, global_step: int, files: dict[str, dict] | None = None) -> None:
+def mark_checkpoint_complete(
+    path: str, global_step: int, files: dict[str, dict] | None = None, world_size: int | None = None
+) -> None:
     """Write the completion marker (after every file of the checkpoint is on disk), with each file's size and
-    checksum when ``files`` is given (``checkpoint_integrity.checksum_files``)."""
+    checksum when ``files`` is given (``checkpoint_integrity.checksum_files``) and the number of processes that
+    saved it."""
     marker: dict = {"global_step": global_step, "completed_at": time.time()}
+    if world_size is not None:
+        marker["world_size"] = world_size
     if files is not None:
         marker.update(algorithm=ALGORITHM, files=files)
     write_text_atomically(os.path.join(path, CHECKPOINT_COMPLETE_MARKER), json.dumps(marker, indent=1))
+
+
+def checkpoint_world_size(path: str) -> int | None:
+    """How many processes saved a complete checkpoint (None: not recorded, or no marker)."""
+    return read_marker(path).get("world_size") if is_complete_checkpoint(path) else None
 
 
 def checkpoint_bytes(path: str) -> int | None:
@@ -158,9 +172,26 @@ def checkpoint_bytes(path: str) -> int | None:
     return None if files is None else sum(entry["bytes"] for entry in files.values())
 
 
+class _FinishPendingSaves(TrainerCallback):
+    """Each step's end: mark the asynchronous saves that every rank has finished writing."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._finish_pending_saves(block=False)
+
+
 class AtomicCheckpointMixin:
     """Mixed into a trainer: completion markers with checksums on save, torn and damaged checkpoints skipped on
-    resume, the disk's free space checked before each save. Reads ``verify_checkpoints`` from the config."""
+    resume, the disk's free space checked before each save, preemption signals, asynchronous sharded saves. Reads
+    ``verify_checkpoints``, ``save_on_preemption`` and ``async_checkpoints`` from the config."""
+
+    # Asynchronous sharded saves: the one being written by this _save_checkpoint call (set in
+    # _save_optimizer_and_scheduler, which transformers calls from inside it), and those written but not yet marked
+    # complete: (path, step, pending writes, run_dir, save_total_limit), oldest first.
+    _writing: PendingShardedSave | None = None
+    _unmarked: tuple = ()
 
     def _verify_checkpoints(self) -> bool:
         return getattr(self.args, "verify_checkpoints", DEFAULT_VERIFY_CHECKPOINTS)
@@ -177,6 +208,8 @@ class AtomicCheckpointMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         verify = self._verify_on_every_rank if self._verify_checkpoints() else None
         resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir, verify)
+        if resume_from_checkpoint is not None and self.is_deepspeed_enabled:
+            self._reshard_deepspeed_checkpoint(resume_from_checkpoint)
         handler = PreemptionHandler()
         callback = PreemptionCallback(handler, self._any_rank)
         pid_file = None
@@ -184,11 +217,15 @@ class AtomicCheckpointMixin:
             self.add_callback(callback)
             if self.is_world_process_zero():
                 pid_file = write_main_pid(self.args.output_dir)
+        pending_saves = _FinishPendingSaves(self)
+        self.add_callback(pending_saves)
         try:
             result = super().train(resume_from_checkpoint, *args, **kwargs)
+            self._finish_pending_saves(block=True)  # the last asynchronous save is durable and marked
         finally:
             handler.uninstall()
             self.remove_callback(callback)
+            self.remove_callback(pending_saves)
             if pid_file is not None and os.path.exists(pid_file):
                 os.remove(pid_file)
         if callback.preempted_at is not None:
@@ -199,6 +236,24 @@ class AtomicCheckpointMixin:
             logger.warning("%s", error)
             raise error
         return result
+
+    def _reshard_deepspeed_checkpoint(self, checkpoint: str) -> None:
+        """A DeepSpeed checkpoint saved by another number of processes loads through its universal copy."""
+        saved, now = saved_world_size(checkpoint), self.accelerator.num_processes
+        if saved is None or saved == now:
+            return
+        logger.warning(
+            "%s was saved by %d processes and this run has %d: loading it through DeepSpeed's universal checkpoint "
+            "(converted once, beside the original).",
+            checkpoint,
+            saved,
+            now,
+        )
+        if self.accelerator.is_main_process:
+            convert_to_universal(checkpoint)
+        self.accelerator.wait_for_everyone()
+        # The engine is built in train() (accelerator.prepare), from this dict: it reads the universal copy.
+        self.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
 
     def _any_rank(self, flag: bool) -> bool:
         """``flag`` OR-ed over every rank (one MAX all-reduce; every rank calls it at the same step)."""
@@ -239,7 +294,59 @@ class AtomicCheckpointMixin:
         if shortfalls:
             raise CheckpointDiskSpaceError(errno.ENOSPC, shortfalls[0])
 
+    def _async_sharded_saves(self) -> bool:
+        return getattr(self.args, "async_checkpoints", DEFAULT_ASYNC_CHECKPOINTS) and uses_sharded_fsdp_checkpoints(
+            self
+        )
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._async_sharded_saves():
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        # The model's and optimizer's shards in Accelerate's SHARDED_STATE_DICT layout (transformers' resume reads
+        # them), written in the background; the scheduler is small and saved now, as transformers does.
+        self._writing = save_sharded(self.model, self.optimizer, output_dir, asynchronous=True, adapter_only=True)
+        if self.args.should_save:
+            import torch
+
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _finish_pending_saves(self, block: bool) -> None:
+        """Mark (checksums, marker, rotation) the asynchronous saves whose shards every rank has written; ``block``
+        waits for them. Every rank calls it at the same points (step ends, the next save, the end of train())."""
+        while self._unmarked:
+            path, step, pending, run_dir, limit = self._unmarked[0]
+            if block:
+                pending.wait()
+            elif self._any_rank(not pending.done()):
+                return  # some rank is still writing: try again at the next step's end
+            pending.wait()  # re-raises a failed write on this rank
+            self._unmarked = self._unmarked[1:]
+            self._mark_complete(path, step, run_dir, limit)
+            logger.info(
+                "Asynchronous checkpoint %s is durable on every rank (%.1f s).",
+                path,
+                time.perf_counter() - pending.started,
+            )
+
+    def _mark_complete(self, path: str, step: int, run_dir: str, limit: int | None) -> None:
+        files = None
+        if self._verify_checkpoints():
+            files = checksum_files(path, self.accelerator.process_index, self.accelerator.num_processes, self._gather)
+        if self.args.should_save:
+            mark_checkpoint_complete(path, step, files, self.accelerator.num_processes)
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        # No rank goes on (and, when preempted, exits) before the marker exists: a launcher that kills the whole job
+        # when one process exits (srun --kill-on-bad-exit) must never cut rank 0 off before it.
+        self.accelerator.wait_for_everyone()
+
     def _save_checkpoint(self, model, trial) -> None:
+        self._finish_pending_saves(block=True)  # one background save at a time: the previous one lands first
         run_dir = self._get_output_dir(trial=trial)
         path = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
         if self.args.should_save and os.path.isdir(path) and not is_complete_checkpoint(path):
@@ -262,21 +369,12 @@ class AtomicCheckpointMixin:
             raise CheckpointDiskSpaceError(errno.ENOSPC, f"{message} (the writer said: {error})") from error
         finally:
             self.args.save_total_limit = limit
-        self.accelerator.wait_for_everyone()  # every rank's part of the checkpoint is written
-        files = None
-        if self._verify_checkpoints():
-            files = checksum_files(path, self.accelerator.process_index, self.accelerator.num_processes, self._gather)
-        if self.args.should_save:
-            mark_checkpoint_complete(path, self.state.global_step, files)
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
-        # No rank goes on (and, when preempted, exits) before the marker exists: a launcher that kills the whole job
-        # when one process exits (srun --kill-on-bad-exit) must never cut rank 0 off before it.
-        self.accelerator.wait_for_everyone()
+        self.accelerator.wait_for_everyone()  # every rank's part of the checkpoint is written (or, async, staged)
+        writing, self._writing = self._writing, None
+        if writing is not None:  # marked once every rank's shards are durable (_finish_pending_saves)
+            self._unmarked = (*self._unmarked, (path, self.state.global_step, writing, run_dir, limit))
+            return
+        self._mark_complete(path, self.state.global_step, run_dir, limit)
 
     def _save_extra_state(self, checkpoint_dir: str) -> None:
         """Seam: trainer state transformers does not save (GRPO's rollout buffer, PPO's critic), written on every

@@ -37,7 +37,7 @@ from ..prefix.shared_prefix import (
     unsupported_reason,
 )
 from ..profiling.trainer_profiling import PhaseProfilerMixin
-from ..reliability.checkpoints import AtomicCheckpointMixin
+from ..reliability.checkpoints import AtomicCheckpointMixin, checkpoint_world_size
 from ..reliability.input_checks import GRPO_COLUMNS, check_dataset_columns, check_launch_matches, check_train_dataset
 from ..reliability.nonfinite_guard import NonFiniteGuardMixin
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
@@ -460,6 +460,16 @@ class GRPOTrainer(
 
     def _load_extra_state(self, checkpoint_dir: str) -> None:
         super()._load_extra_state(checkpoint_dir)
+        saved = checkpoint_world_size(checkpoint_dir)
+        if saved is not None and saved != self.accelerator.num_processes:
+            # Each rank's buffer holds its share of the rollout: at another world size the shares do not map.
+            logger.warning(
+                "%s was saved by %d processes, this run has %d: the rollout in progress is generated afresh.",
+                checkpoint_dir,
+                saved,
+                self.accelerator.num_processes,
+            )
+            return
         path = os.path.join(checkpoint_dir, ROLLOUT_STATE_NAME.format(self.accelerator.process_index))
         if not os.path.isfile(path):
             logger.warning("%s is missing: the first rollout after resuming is generated afresh.", path)

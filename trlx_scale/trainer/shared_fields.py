@@ -225,6 +225,16 @@ class ReliabilityFields:
             "docs/benchmarks.md. False: neither recorded nor verified."
         },
     )
+    async_checkpoints: bool = field(
+        default=False,
+        metadata={
+            "help": "Under FSDP2 with fsdp_state_dict_type SHARDED_STATE_DICT: write each rank's model and optimizer "
+            "shards in the background (torch.distributed.checkpoint.async_save) while training goes on; the "
+            "checkpoint counts (completion marker) only once every rank's shards are durable. Off by default: the "
+            "background write holds a host-memory copy of this rank's shards until it lands (docs/reliability.md "
+            "has the blocking times measured). Ignored elsewhere (DeepSpeed writes its own per-rank files)."
+        },
+    )
     save_on_preemption: bool = field(
         default=True,
         metadata={
