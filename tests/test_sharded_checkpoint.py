@@ -67,7 +67,7 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path, saving, re
     extra = (["--asynchronous"] if mode == "async" else []) + (["--lora"] if model == "lora" else [])
     straight = _run(saving, 29601, tmp_path, "straight", tmp_path / "straight", *extra)
     saved = _run(saving, 29603, tmp_path, "save", tmp_path / "run", "--save_at", "2", *extra)
-    assert saved["losses"] == {key: straight["losses"][key] for key in ("1", "2")}  # same run, same world: exact
+    assert saved["losses"] == straight["losses"]  # saving (in the background too) changes nothing: exact
     checkpoint = tmp_path / "run" / "checkpoint-2"
     assert is_complete_checkpoint(str(checkpoint)) and saved["consolidated_ok"]
     files = json.loads((checkpoint / "trlx_scale_checkpoint_complete.json").read_text())["files"]

@@ -8,8 +8,9 @@ rank writes only its own shards:
 - the layout is Accelerate's own for ``SHARDED_STATE_DICT`` (``pytorch_model_fsdp_0/`` holding ``{"model": ...}``
   and ``optimizer_0/`` holding ``{"optimizer": ...}``, DCP format), so transformers' resume path
   (``load_fsdp_model``/``load_fsdp_optimizer``) reads a checkpoint written here, and this module reads Accelerate's;
-- ``asynchronous=True`` uses ``dcp.async_save``: the call returns once the shards are staged (copied to host memory),
-  the files are written by a background thread while training goes on; ``PendingShardedSave.done()`` says when this
+- ``asynchronous=True`` works as ``dcp.async_save`` does (DCP's own stager, then ``dcp.save`` in a background thread on
+  a gloo group of its own), with the model's and the optimizer's parts in one job: the call returns once the shards
+  are staged (copied to host memory), the files are written while training goes on; ``PendingShardedSave.done()`` says when this
   rank's shards are durable, and the completion marker (``checkpoints.py``) is written only once every rank's are,
   so a process killed mid-write leaves a directory without a marker, which resume skips;
 - DCP records each shard's place in the global tensor, so ``load_sharded`` reshards on load: a checkpoint of 2 ranks
@@ -91,6 +92,17 @@ class PendingShardedSave:
 
 
 _BACKGROUND_GROUP = None
+_BACKGROUND_WRITER = None
+
+
+def _background_writer():
+    """The one thread that writes asynchronous saves, in the order they were made."""
+    global _BACKGROUND_WRITER
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _BACKGROUND_WRITER is None:
+        _BACKGROUND_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trlx-scale-checkpoint")
+    return _BACKGROUND_WRITER
 
 
 def _background_group():
@@ -121,14 +133,29 @@ def save_sharded(
 
     writer_cls = storage_writer_cls or dcp.FileSystemWriter
     pending = PendingShardedSave(checkpoint_dir)
-    for name, state in sharded_state(model, optimizer, adapter_only).items():
-        path = os.path.join(checkpoint_dir, name)
-        os.makedirs(path, exist_ok=True)
-        if asynchronous:
-            future = dcp.async_save(state, storage_writer=writer_cls(path), process_group=_background_group())
-            pending.futures.append(future)
-        else:
-            dcp.save(state, storage_writer=writer_cls(path))
+    parts = sharded_state(model, optimizer, adapter_only)
+    for name in parts:
+        os.makedirs(os.path.join(checkpoint_dir, name), exist_ok=True)
+    if not asynchronous:
+        for name, state in parts.items():
+            dcp.save(state, storage_writer=writer_cls(os.path.join(checkpoint_dir, name)))
+        pending.blocking_s = time.perf_counter() - pending.started
+        return pending
+    # Staged (copied to host memory) now, so training may change the weights; written by one background thread, the
+    # model's then the optimizer's (two writers at once would run their collectives on one group in either order
+    # on different ranks, and hang), and every save after the previous one.
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # plain, synchronous copies
+    staged = {name: stager.stage(state) for name, state in parts.items()}
+    stager.close()
+    group = _background_group()
+
+    def write() -> None:
+        for name, state in staged.items():
+            dcp.save(state, storage_writer=writer_cls(os.path.join(checkpoint_dir, name)), process_group=group)
+
+    pending.futures.append(_background_writer().submit(write))
     pending.blocking_s = time.perf_counter() - pending.started
     return pending
 
