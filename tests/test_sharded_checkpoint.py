@@ -127,22 +127,36 @@ def _deepspeed_run(output_dir, processes: int, port: int, *extra) -> dict:
 @pytest.mark.parametrize(("saving", "resuming"), [(2, 1), (1, 2)])
 def test_a_deepspeed_zero3_checkpoint_resumes_at_another_world_size(tmp_path, saving, resuming):
     """DeepSpeed's per-rank partitions load only at the world size that wrote them; the trainer converts the
-    checkpoint to DeepSpeed's universal format once and resumes from that. The resumed steps' losses match the
-    straight run's to rel 1e-3 (another world size reduces in another order, and regenerates the rollout)."""
-    # 8 samples (2 prompts x 4) per step at both world sizes: the same global batch, the same rollouts.
+    checkpoint to DeepSpeed's universal format once and resumes from that: the adapter it trains from is exactly the
+    one saved (the checkpoint's consolidated adapter_model.safetensors, written by zero3_save_16bit_model), and the
+    run finishes. (Its later losses are not compared with the straight run: under ZeRO-3 1 and 2 processes already
+    differ from step 2 on, resumed or not.)"""
+    from safetensors.torch import load_file
+
     straight = _deepspeed_run(tmp_path / "run", saving, 29621, "--per_device_train_batch_size", str(8 // saving))
     assert is_complete_checkpoint(str(tmp_path / "run" / "checkpoint-2"))
     for name in os.listdir(tmp_path / "run"):  # keep checkpoint-2 only: the resume starts there
         if name.startswith("checkpoint-") and name != "checkpoint-2":
             subprocess.run(["rm", "-rf", str(tmp_path / "run" / name)], check=True)
+    dump = tmp_path / "loaded.json"
     resumed = _deepspeed_run(
-        tmp_path / "run", resuming, 29623, "--resume", "--per_device_train_batch_size", str(8 // resuming)
+        tmp_path / "run",
+        resuming,
+        29623,
+        "--resume",
+        "--per_device_train_batch_size",
+        str(8 // resuming),
+        "--dump_loaded_weights",
+        str(dump),
     )
     assert resumed["resumed_from"] == str(tmp_path / "run" / "checkpoint-2")
     assert f"was saved by {saving} processes and this run has {resuming}" in resumed["log"]
     assert (tmp_path / "run" / "checkpoint-2" / "latest_universal").is_file()
-    assert resumed["trained_steps"] == [3, 4]
-    for step in ("3", "4"):
-        ours, theirs = resumed["logged"][step], straight["logged"][step]
-        assert math.isclose(ours[1], theirs[1], rel_tol=1e-9), step  # reward: the same rollouts
-        assert math.isclose(ours[0], theirs[0], rel_tol=1e-3, abs_tol=1e-6), (step, ours, theirs)
+    assert resumed["trained_steps"] == [3, 4] and sorted(resumed["logged"]) == ["1", "2", "3", "4"]
+    assert resumed["logged"]["2"] == straight["logged"]["2"]  # the history came back with the checkpoint
+    saved = load_file(str(tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors"))
+    loaded = json.loads(dump.read_text())
+    assert len(loaded) == len(saved) > 0
+    for name, values in loaded.items():
+        expected = saved[name.replace(".default", "")].flatten().tolist()
+        assert values == expected, name  # bit for bit: fp32 masters in, fp32 weights out

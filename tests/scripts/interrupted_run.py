@@ -14,6 +14,7 @@ gradient norm of every step of the run (those before a resume come from the chec
 --per_device_train_batch_size B   (default 4; 4 samples of each prompt, so B/4 prompts per rank per step)
 --pid_dir DIR      each rank writes DIR/rank<R>.pid at start, and DIR/progress (rank 0) after each step
 --slow_steps S     each step starts with S seconds of sleep (a long step, for signals to land inside one)
+--dump_loaded_weights PATH   the trained parameters as this process's first step begins (after a resume: as loaded)
 """
 
 import argparse
@@ -41,6 +42,34 @@ class _RecordSteps(TrainerCallback):
             with open(self.progress_file + ".tmp", "w") as handle:
                 handle.write(str(state.global_step))
             os.replace(self.progress_file + ".tmp", self.progress_file)
+
+
+class _DumpWeightsAtFirstStep(TrainerCallback):
+    """The trained parameters as the first step of this process starts (after a resume: what was loaded), gathered
+    whole under ZeRO-3, written by rank 0 as {name: list} JSON."""
+
+    def __init__(self, trainer, path: str):
+        self.trainer, self.path, self.done = trainer, path, False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.done:
+            return
+        self.done = True
+        import contextlib
+
+        import torch
+
+        named = [(n, p) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+        gather = contextlib.nullcontext()
+        if self.trainer.is_deepspeed_enabled:
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters([p for _, p in named])
+        with gather, torch.no_grad():
+            values = {n: p.detach().float().cpu().flatten().tolist() for n, p in named}
+        if self.trainer.accelerator.is_main_process:
+            with open(self.path, "w") as handle:
+                json.dump(values, handle)
 
 
 class _SlowSteps(TrainerCallback):
@@ -88,6 +117,7 @@ def main() -> None:
     parser.add_argument("--per_device_train_batch_size", type=int, default=4)
     parser.add_argument("--pid_dir", default=None)
     parser.add_argument("--slow_steps", type=float, default=0.0)
+    parser.add_argument("--dump_loaded_weights", default=None)
     cli = parser.parse_args()
     args = GRPOConfig(
         output_dir=cli.output_dir,
@@ -122,6 +152,8 @@ def main() -> None:
     trainer.add_callback(_StallBeforeOptimizerStep(trainer))
     if cli.slow_steps:
         trainer.add_callback(_SlowSteps(cli.slow_steps))
+    if cli.dump_loaded_weights:
+        trainer.add_callback(_DumpWeightsAtFirstStep(trainer, cli.dump_loaded_weights))
     if cli.stall:
         where, step = cli.stall.split(":")
         trainer.stall = (where, int(step))
