@@ -231,8 +231,9 @@ class ReliabilityFields:
             "help": "Under FSDP2 with fsdp_state_dict_type SHARDED_STATE_DICT: write each rank's model and optimizer "
             "shards in the background (torch.distributed.checkpoint.async_save) while training goes on; the "
             "checkpoint counts (completion marker) only once every rank's shards are durable. Off by default: the "
-            "background write holds a host-memory copy of this rank's shards until it lands (docs/reliability.md "
-            "has the blocking times measured). Ignored elsewhere (DeepSpeed writes its own per-rank files)."
+            "background write holds a host-memory copy of this rank's shards until it lands, and its blocking time "
+            "is measured on CPU only so far (docs/benchmarks.md). Ignored elsewhere (DeepSpeed writes its own "
+            "per-rank files)."
         },
     )
     save_on_preemption: bool = field(
