@@ -16,16 +16,9 @@ import pytest
 from trlx_scale.reliability import CHECKPOINT_COMPLETE_MARKER, is_complete_checkpoint, latest_complete_checkpoint
 from trlx_scale.reliability.checkpoints import resolve_resume_checkpoint
 
-from .helpers.launch import LAUNCH_VARIABLES, REPO_ROOT
+from .helpers.launch import REPO_ROOT, launch_env
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "scripts", "interrupted_run.py")
-
-
-def _env() -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    for name in LAUNCH_VARIABLES:
-        env.pop(name, None)
-    return env
 
 
 def _command(output_dir, *extra, processes: int = 1, port: int = 29581) -> list[str]:
@@ -67,7 +60,7 @@ def _kill_everything(process: subprocess.Popen) -> None:
 def _run_until_stalled_then_kill(command, output_dir, timeout: float = 300) -> None:
     """Start the run in its own process group, wait for its stall sentinel, then SIGKILL the whole group."""
     log = open(os.path.join(output_dir, "..", f"{os.path.basename(output_dir)}-killed-run.log"), "w")  # noqa: SIM115
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT)
     sentinel = os.path.join(output_dir, "stalled")
     deadline = time.monotonic() + timeout
     while not os.path.exists(sentinel):
@@ -84,7 +77,7 @@ def _run_until_stalled_then_kill(command, output_dir, timeout: float = 300) -> N
 
 
 def _resume(command) -> dict:
-    result = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     return {**json.loads(line.removeprefix("RESULT ")), "log": result.stdout + result.stderr}

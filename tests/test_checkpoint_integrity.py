@@ -24,7 +24,7 @@ from trlx_scale.reliability.checkpoints import resolve_resume_checkpoint
 from trlx_scale.reliability.disk_space import CheckpointDiskSpaceError, is_out_of_space
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
-from .helpers.launch import LAUNCH_VARIABLES, REPO_ROOT
+from .helpers.launch import REPO_ROOT, launch_env
 from .helpers.trainers import small_grpo_config
 
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
@@ -180,13 +180,6 @@ def test_a_disk_that_fills_during_a_save_names_the_directory_and_resume_works(de
     assert is_complete_checkpoint(str(tmp_path / "checkpoint-2"))
 
 
-def _env() -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    for name in LAUNCH_VARIABLES:
-        env.pop(name, None)
-    return env
-
-
 @pytest.mark.slow
 def test_two_processes_hash_their_shares_and_find_a_damaged_rank_file(tmp_path):
     """Under torchrun with 2 processes: the marker covers both ranks' files; a damaged rank-1 RNG state is found
@@ -198,7 +191,7 @@ def test_two_processes_hash_their_shares_and_find_a_damaged_rank_file(tmp_path):
         result = subprocess.run(
             [*launcher, script, str(tmp_path), "--max_steps", "2", *extra],
             cwd=REPO_ROOT,
-            env=_env(),
+            env=launch_env(),
             capture_output=True,
             text=True,
             timeout=600,

@@ -21,19 +21,12 @@ from trlx_scale.reliability import is_complete_checkpoint
 from trlx_scale.reliability.checkpoints import checkpoint_dirs
 from trlx_scale.reliability.preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, PreemptionHandler
 
-from .helpers.launch import LAUNCH_VARIABLES, REPO_ROOT
+from .helpers.launch import REPO_ROOT, launch_env
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "scripts", "interrupted_run.py")
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 CPU_DDP = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml")
 STEPS = 5
-
-
-def _env() -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    for name in LAUNCH_VARIABLES:
-        env.pop(name, None)
-    return env
 
 
 def _command(output_dir, *extra, processes: int = 1, port: int = 29591) -> list[str]:
@@ -49,7 +42,7 @@ def _result(stdout: str) -> dict:
 
 
 def _run(command) -> dict:
-    done = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     return _result(done.stdout)
 
@@ -58,7 +51,7 @@ def _signal_once_progressed(command, pid_dir, target_rank: int, signals, after_s
     """Start the run, wait until rank 0 finished ``after_step`` steps, send ``signals`` to rank ``target_rank``;
     return (exit code, output, rank 0's last finished step when the run ended)."""
     process = subprocess.Popen(
-        command, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     progress = os.path.join(pid_dir, "progress")
     deadline = time.monotonic() + 400

@@ -21,16 +21,9 @@ import pytest
 
 from trlx_scale.reliability import is_complete_checkpoint, latest_complete_checkpoint
 
-from .helpers.launch import LAUNCH_VARIABLES, REPO_ROOT
+from .helpers.launch import REPO_ROOT, launch_env
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "distributed", "sharded_checkpoint_run.py")
-
-
-def _env() -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    for name in LAUNCH_VARIABLES:
-        env.pop(name, None)
-    return env
 
 
 def _command(processes: int, port: int, report, phase: str, output_dir, *extra) -> list[str]:
@@ -43,7 +36,7 @@ def _run(processes: int, port: int, tmp_path, phase: str, output_dir, *extra) ->
     result = subprocess.run(
         _command(processes, port, report, phase, output_dir, *extra),
         cwd=REPO_ROOT,
-        env=_env(),
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -89,7 +82,7 @@ def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_in_us
     process = subprocess.Popen(
         [*command, "--asynchronous", "--slow_last_save"],
         cwd=REPO_ROOT,
-        env=_env(),
+        env=launch_env(),
         stdout=log,
         stderr=log,
         start_new_session=True,
@@ -117,7 +110,7 @@ def _deepspeed_run(output_dir, processes: int, port: int, *extra) -> dict:
     config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml")
     command = [accelerate, "launch", "--config_file", config, "--num_processes", str(processes)]
     command += ["--main_process_port", str(port), script, str(output_dir), "--save_steps", "2", *extra]
-    done = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
     return {**json.loads(line.removeprefix("RESULT ")), "log": done.stdout + done.stderr}

@@ -15,6 +15,14 @@ ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 
+def launch_env() -> dict:
+    """This process's environment without the torch.distributed variables (see LAUNCH_VARIABLES), for a child run."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    for name in LAUNCH_VARIABLES:
+        env.pop(name, None)
+    return env
+
+
 def run_command(command: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run a command from the repository root with a clean torch.distributed environment; fail with its output."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
