@@ -121,6 +121,18 @@ def test_truncated_and_missing_files_are_named(two_checkpoints, tmp_path):
     assert resolve_resume_checkpoint(str(run / "checkpoint-2"), str(run), verify=None) == str(run / "checkpoint-2")
 
 
+def test_an_unreadable_marker_counts_as_damage(two_checkpoints, tmp_path, caplog):
+    run = _copy_run(two_checkpoints, tmp_path / "run")
+    marker = run / "checkpoint-2" / CHECKPOINT_COMPLETE_MARKER
+    marker.write_bytes(marker.read_bytes()[:40])  # the marker itself cut short
+    with pytest.raises(
+        ValueError, match=r"checkpoint-2' is damaged: its trlx_scale_checkpoint_complete\.json is unread"
+    ):
+        resolve_resume_checkpoint(str(run / "checkpoint-2"), str(run))
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume_checkpoint(True, str(run)) == str(run / "checkpoint-1")
+
+
 def test_hashing_split_across_ranks_gives_the_whole_checkpoint(two_checkpoints):
     """Each of 3 'ranks' hashes every third file; the gathered result is the one-process result."""
     path = str(two_checkpoints / "checkpoint-1")

@@ -20,6 +20,8 @@ from trlx_scale.hub.secrets import (
     check_folder_has_no_secrets,
     environment_secrets,
     files_with_secrets,
+    known_secrets,
+    secret_field_names,
     without_secrets,
 )
 from trlx_scale.tasks import addition_dataset, addition_preference_dataset, exact_match_reward
@@ -85,6 +87,10 @@ def test_no_token_set_in_any_way_reaches_the_hub_or_the_output(default_model_dir
     # The uploads happened: the model at the root, the arguments, and the checkpoint pushed during training.
     assert {"adapter_model.safetensors", "training_args.bin", "README.md"} <= set(files)
     assert "last-checkpoint/training_args.bin" in files and "last-checkpoint/optimizer.pt" in files
+    # ... pushed once complete: trlx_scale's rollout state and the completion marker went up with it.
+    assert {"last-checkpoint/rollout_state_rank0.pt", "last-checkpoint/trlx_scale_checkpoint_complete.json"} <= set(
+        files
+    )
     assert _leaks(_everything_that_went_up(hub_with_tokens)) == []
     # The pushed arguments still load, with everything but the secret (and the token field is there, empty).
     (tmp_path / "pushed.bin").write_bytes(files["training_args.bin"])
@@ -133,6 +139,14 @@ def test_without_secrets_clears_every_token_field_of_a_copy(tmp_path):
     clean = without_secrets(args)
     assert clean.hub_token is None and args.hub_token == "hf_abcdefgh12345678"
     assert b"hf_abcdefgh12345678" not in pickle.dumps(clean) and b"hf_abcdefgh12345678" in pickle.dumps(args)
+
+
+def test_special_token_fields_are_not_secrets(tmp_path):
+    """DPOConfig's pad_token is in every tokenizer file: taken for a secret, it would block every push."""
+    args = small_dpo_config(tmp_path, pad_token="<|endoftext|>", hub_token="hf_abcdefgh12345678")
+    assert secret_field_names(args) == ["hub_token"]
+    assert without_secrets(args).pad_token == "<|endoftext|>"
+    assert "<|endoftext|>" not in known_secrets(args)
 
 
 def test_environment_secrets_are_found_by_name_and_short_values_ignored():

@@ -19,7 +19,12 @@ from transformers import TrainerControl, TrainerState
 
 from trlx_scale.reliability import is_complete_checkpoint
 from trlx_scale.reliability.checkpoints import checkpoint_dirs
-from trlx_scale.reliability.preemption import PREEMPTED_EXIT_CODE, PreemptionCallback, PreemptionHandler
+from trlx_scale.reliability.preemption import (
+    PREEMPTED_EXIT_CODE,
+    REPEAT_WINDOW_S,
+    PreemptionCallback,
+    PreemptionHandler,
+)
 
 from .helpers.launch import REPO_ROOT, launch_env
 
@@ -63,7 +68,7 @@ def _signal_once_progressed(command, pid_dir, target_rank: int, signals, after_s
         pid = int(handle.read())
     for index, number in enumerate(signals):
         if index:
-            time.sleep(0.5)  # a signal sent while the same one is still pending would merge with it
+            time.sleep(REPEAT_WINDOW_S + 0.5)  # closer signals count as one notice delivered twice
         os.kill(pid, number)
     output, _ = process.communicate(timeout=300)
     return process.returncode, output, int(open(progress).read())
@@ -118,7 +123,7 @@ def test_a_signal_to_one_rank_of_two_stops_both_at_the_same_step_and_nothing_is_
 
 def test_a_second_signal_exits_at_once_without_saving(tmp_path):
     code, output, _ = _signal_once_progressed(
-        _command(tmp_path / "run", "--pid_dir", str(tmp_path / "pids"), "--slow_steps", "3"),
+        _command(tmp_path / "run", "--pid_dir", str(tmp_path / "pids"), "--slow_steps", "8"),
         tmp_path / "pids",
         0,
         [signal.SIGTERM, signal.SIGTERM],
@@ -131,7 +136,8 @@ def test_a_second_signal_exits_at_once_without_saving(tmp_path):
 
 def test_handler_and_callback_without_a_trainer():
     exits: list[int] = []
-    handler = PreemptionHandler(exit_now=exits.append)
+    now = [100.0]
+    handler = PreemptionHandler(exit_now=exits.append, clock=lambda: now[0])
     previous = signal.getsignal(signal.SIGUSR1)
     assert handler.install()
     try:
@@ -140,8 +146,12 @@ def test_handler_and_callback_without_a_trainer():
         assert not control.should_save and callback.preempted_at is None  # no signal yet
         os.kill(os.getpid(), signal.SIGUSR1)
         assert handler.received == signal.SIGUSR1 and handler.signal_name == "SIGUSR1"
+        now[0] += REPEAT_WINDOW_S / 2
+        os.kill(os.getpid(), signal.SIGTERM)  # the same notice again (the launcher's copy): not a second signal
+        assert exits == [] and handler.received == signal.SIGUSR1
         control = callback.on_step_end(None, TrainerState(global_step=4), TrainerControl())
         assert control.should_save and control.should_training_stop and callback.preempted_at == 4
+        now[0] += REPEAT_WINDOW_S
         os.kill(os.getpid(), signal.SIGUSR1)
         assert exits == [128 + signal.SIGUSR1]
     finally:
@@ -151,3 +161,18 @@ def test_handler_and_callback_without_a_trainer():
     other = PreemptionCallback(PreemptionHandler(), any_rank=lambda flag: True)
     assert other.on_step_end(None, TrainerState(global_step=7), TrainerControl()).should_save
     assert other.handler.signal_name == "a signal on another rank"
+
+
+def test_a_signal_after_the_last_step_is_raised_again_once_training_is_over():
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda number, frame: seen.append(number))
+    try:
+        handler = PreemptionHandler()
+        handler.install()
+        os.kill(os.getpid(), signal.SIGUSR1)  # during the final save: no step end will act on it
+        handler.uninstall()
+        assert seen == []
+        handler.reraise_unhandled()
+        assert seen == [signal.SIGUSR1]  # the previous handler gets it
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

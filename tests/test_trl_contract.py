@@ -167,7 +167,13 @@ def test_reliability_and_hub_mixins_override_trainer_methods_that_still_exist():
 
     overrides = {
         NonFiniteGuardMixin: ("training_step", "_get_grad_norm", "log"),
-        AtomicCheckpointMixin: ("train", "_save_checkpoint", "_load_optimizer_and_scheduler"),
+        AtomicCheckpointMixin: (
+            "train",
+            "_save_checkpoint",
+            "_load_optimizer_and_scheduler",
+            "_save_optimizer_and_scheduler",
+            "_finalize_training",
+        ),
         HubPushMixin: (
             "push_to_hub",
             "init_hf_repo",

@@ -195,8 +195,8 @@ class HubPushMixin:
         return info
 
     def _save_consolidated(self, output_dir: str) -> None:
-        state = consolidated_model_state(self.model)  # collective: every rank
-        if self.args.should_save:
+        state = consolidated_model_state(self.model)  # collective: every rank; the state lands on rank 0 only
+        if self.accelerator.is_main_process:
             self._save(output_dir, state_dict=state)
         self.accelerator.wait_for_everyone()
 
@@ -237,39 +237,55 @@ class HubPushMixin:
             if os.path.isdir(path):
                 shutil.copytree(path, os.path.join(staging, name), dirs_exist_ok=True)
 
+    # The checkpoint transformers asked to push (set on rank 0 inside _save_checkpoint), pushed once it is complete.
+    _checkpoint_to_push: str | None = None
+    _checkpoint_upload_thread: ThreadPoolExecutor | None = None
+
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """A checkpoint push during training: staged without secrets, scanned, uploaded in the background."""
+        """transformers calls this inside ``_save_checkpoint``, before trlx_scale's own state files, the completion
+        marker and (for an asynchronous save) the shards exist: only note the folder; ``_on_checkpoint_complete``
+        pushes it."""
+        from transformers.trainer_utils import HubStrategy
+
+        if self.is_world_process_zero() and self.args.hub_strategy != HubStrategy.END:
+            self._checkpoint_to_push = checkpoint_folder
+
+    def _on_checkpoint_complete(self, path: str) -> None:
+        """A checkpoint push during training: staged without secrets (hard links), scanned and uploaded in the
+        background, so neither a slow Hub nor the scan of a large checkpoint holds the ranks."""
         from transformers.trainer_utils import HubStrategy, SaveStrategy
         from transformers.utils.hub import PushInProgress
 
-        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
+        parent = getattr(super(), "_on_checkpoint_complete", None)
+        if parent is not None:
+            parent(path)
+        if self._checkpoint_to_push != path:
             return
+        self._checkpoint_to_push = None
         if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
             return  # as transformers: skip this one while the previous upload runs
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
         staging = os.path.join(self.args.output_dir, f"{CHECKPOINT_STAGING_PREFIX}{self.state.global_step}")
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-        for name in CHECKPOINT_MODEL_FILES + tuple(_weight_shards(checkpoint_folder)):
-            if os.path.isfile(os.path.join(checkpoint_folder, name)):
-                _link_or_copy(os.path.join(checkpoint_folder, name), os.path.join(staging, name))
+        # Under FSDP's SHARDED_STATE_DICT a checkpoint holds shards, not the model files: the push carries the
+        # tokenizer, the arguments and (hub_strategy checkpoint/all_checkpoints) the shards; the final push the model.
+        for name in CHECKPOINT_MODEL_FILES + tuple(_weight_shards(path)):
+            if os.path.isfile(os.path.join(path, name)):
+                _link_or_copy(os.path.join(path, name), os.path.join(staging, name))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(staging)
         write_training_args(self.args, staging)
         if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
             inside = "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else None
-            target = os.path.join(staging, inside or os.path.basename(checkpoint_folder))
-            shutil.copytree(checkpoint_folder, target, copy_function=_link_or_copy)
-        try:
-            check_folder_has_no_secrets(staging, known_secrets(self.args), f"checkpoint {checkpoint_folder}")
-        except Exception:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+            target = os.path.join(staging, inside or os.path.basename(path))
+            shutil.copytree(path, target, copy_function=_link_or_copy)
         if self.args.save_strategy == SaveStrategy.STEPS:
             message = f"Training in progress, step {self.state.global_step}"
         else:
             message = f"Training in progress, epoch {int(self.state.epoch)}"
-        job = self._checkpoint_uploader().submit(self._upload_staged_checkpoint, staging, message)
+        secrets = known_secrets(self.args)
+        job = self._checkpoint_uploader().submit(self._upload_staged_checkpoint, staging, message, secrets)
         if self.push_in_progress is None or self.push_in_progress.is_done():
             self.push_in_progress = PushInProgress([job])
         else:
@@ -277,13 +293,14 @@ class HubPushMixin:
 
     def _checkpoint_uploader(self) -> ThreadPoolExecutor:
         # One background thread: checkpoint uploads go up in order, never two at once.
-        if getattr(self, "_checkpoint_upload_thread", None) is None:
+        if self._checkpoint_upload_thread is None:
             self._checkpoint_upload_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-checkpoint")
         return self._checkpoint_upload_thread
 
-    def _upload_staged_checkpoint(self, staging: str, message: str) -> None:
+    def _upload_staged_checkpoint(self, staging: str, message: str, secrets: set[str]) -> None:
         api = self._hub_api()
         try:
+            check_folder_has_no_secrets(staging, secrets, f"a checkpoint ({message})")
             with_retries(
                 lambda: api.upload_folder(
                     repo_id=self.hub_model_id,
@@ -298,8 +315,8 @@ class HubPushMixin:
             )
         except Exception as error:  # noqa: BLE001 - a lost checkpoint upload must not stop training
             logger.warning(
-                "A checkpoint upload to %s failed (%s: %s); training goes on, the checkpoint is local and the final "
-                "push uploads the model.",
+                "A checkpoint upload to %s did not happen (%s: %s); training goes on, the checkpoint is local and "
+                "the final push uploads the model.",
                 self.hub_model_id,
                 type(error).__name__,
                 error,

@@ -7,8 +7,9 @@ started with ``hub_token=...`` published the token to everyone who can read the 
 
 Two defences, both here:
 
-1. ``without_secrets(args)``: a copy of the arguments whose secret fields are cleared; the trainers write
-   ``training_args.bin`` from it (``SecretFreeSaveMixin``), so no file on disk holds them in the first place.
+1. ``without_secrets(args)``: a copy of the arguments whose secret fields are cleared; the trainers rewrite every
+   ``training_args.bin`` transformers saves from it (``HubPushMixin._save``) right after transformers wrote it, and
+   stage checkpoint pushes themselves, so no file that is uploaded holds them.
 2. ``check_folder_has_no_secrets(folder, secrets)``: the last look before an upload. Every byte of every file that is
    about to go up is searched for every secret this process knows (the config's token fields, the token of an
    explicit ``push_to_hub(token=...)``, tokens in the environment, the token huggingface_hub stored at login); a hit
@@ -39,12 +40,21 @@ class SecretInUploadError(RuntimeError):
     """A file about to be uploaded holds a secret; nothing was uploaded."""
 
 
+# ``*_token`` fields that name a tokenizer's special token, not a credential (TRL's DPOConfig has pad_token; SFT and
+# reward configs eos_token): their values are in every tokenizer file, and they must stay in the arguments.
+SPECIAL_TOKEN_FIELDS = frozenset(
+    {"pad_token", "eos_token", "bos_token", "unk_token", "sep_token", "cls_token", "mask_token"}
+)
+
+
 def secret_field_names(args: Any) -> list[str]:
-    """The config's fields that hold credentials: transformers masks every ``*_token`` field in ``to_dict``, and so
-    do we (``hub_token``, and any a subclass or a later version adds)."""
+    """The config's fields that hold credentials: the ``*_token`` fields (``hub_token``, and any a subclass or a
+    later version adds; transformers masks them all in ``to_dict``) except the tokenizer's special tokens."""
     if not dataclasses.is_dataclass(args):
         return []
-    return [f.name for f in dataclasses.fields(args) if f.name.endswith("_token")]
+    return [
+        f.name for f in dataclasses.fields(args) if f.name.endswith("_token") and f.name not in SPECIAL_TOKEN_FIELDS
+    ]
 
 
 def without_secrets(args: Any) -> Any:

@@ -53,15 +53,28 @@ DEFAULT_ASYNC_CHECKPOINTS = False
 Verifier = Callable[[str], list[str]]
 
 
+class UnreadableMarkerError(ValueError):
+    """The completion marker exists but cannot be read (damaged itself)."""
+
+
 def read_marker(path: str) -> dict:
-    with open(os.path.join(path, CHECKPOINT_COMPLETE_MARKER)) as handle:
-        return json.load(handle)
+    try:
+        with open(os.path.join(path, CHECKPOINT_COMPLETE_MARKER)) as handle:
+            marker = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise UnreadableMarkerError(f"its {CHECKPOINT_COMPLETE_MARKER} is unreadable ({error})") from error
+    if not isinstance(marker, dict):
+        raise UnreadableMarkerError(f"its {CHECKPOINT_COMPLETE_MARKER} is not a JSON object")
+    return marker
 
 
 def verify_checkpoint(path: str, rank: int = 0, world_size: int = 1, gather: Gather | None = None) -> list[str]:
     """The damaged files of a complete checkpoint against the checksums of its marker (empty: intact). A marker of
     an older trlx_scale has no checksums: nothing to verify, a warning says so."""
-    recorded = read_marker(path).get("files")
+    try:
+        recorded = read_marker(path).get("files")
+    except UnreadableMarkerError as error:
+        return [str(error)]
     if recorded is None:
         logger.warning("%s records no checksums (saved by an older trlx_scale): resuming from it unverified.", path)
         return []
@@ -163,13 +176,19 @@ def mark_checkpoint_complete(
 
 def checkpoint_world_size(path: str) -> int | None:
     """How many processes saved a complete checkpoint (None: not recorded, or no marker)."""
-    return read_marker(path).get("world_size") if is_complete_checkpoint(path) else None
+    try:
+        return read_marker(path).get("world_size") if is_complete_checkpoint(path) else None
+    except UnreadableMarkerError:
+        return None
 
 
 def checkpoint_bytes(path: str) -> int | None:
     """The size of a complete checkpoint from its marker (None when the marker records no files)."""
-    files = read_marker(path).get("files")
-    return None if files is None else sum(entry["bytes"] for entry in files.values())
+    try:
+        files = read_marker(path).get("files")
+        return None if files is None else sum(int(entry["bytes"]) for entry in files.values())
+    except (UnreadableMarkerError, AttributeError, KeyError, TypeError, ValueError):
+        return None
 
 
 class _FinishPendingSaves(TrainerCallback):
@@ -192,9 +211,16 @@ class AtomicCheckpointMixin:
     # complete: (path, step, pending writes, run_dir, save_total_limit), oldest first.
     _writing: PendingShardedSave | None = None
     _unmarked: tuple = ()
+    _last_completed: str | None = None  # the newest checkpoint this run completed
 
     def _verify_checkpoints(self) -> bool:
-        return getattr(self.args, "verify_checkpoints", DEFAULT_VERIFY_CHECKPOINTS)
+        if not getattr(self.args, "verify_checkpoints", DEFAULT_VERIFY_CHECKPOINTS):
+            return False
+        if self.args.save_on_each_node:
+            # Each node holds its own copy: the ranks' shares of the file list would name files of other nodes.
+            logger.warning_once("save_on_each_node=True: checkpoint checksums are neither recorded nor verified.")
+            return False
+        return True
 
     def _gather(self, items: list) -> list:
         from accelerate.utils import gather_object
@@ -228,7 +254,11 @@ class AtomicCheckpointMixin:
             self.remove_callback(pending_saves)
             if pid_file is not None and os.path.exists(pid_file):
                 os.remove(pid_file)
-        if callback.preempted_at is not None:
+        if callback.preempted_at is None:
+            handler.reraise_unhandled()  # a signal after the last step: honoured now that training is over
+        elif self.state.global_step >= self.state.max_steps:
+            logger.warning("A preemption signal came at the last step: training is complete and saved.")
+        else:
             step = callback.preempted_at
             error = TrainingPreempted(
                 step, os.path.join(self.args.output_dir, f"checkpoint-{step}"), handler.signal_name
@@ -236,6 +266,11 @@ class AtomicCheckpointMixin:
             logger.warning("%s", error)
             raise error
         return result
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        # transformers may now load the best checkpoint or rotate checkpoints away: not while one is being written.
+        self._finish_pending_saves(block=True)
+        return super()._finalize_training(trial, num_train_samples, start_time)
 
     def _reshard_deepspeed_checkpoint(self, checkpoint: str) -> None:
         """A DeepSpeed checkpoint saved by another number of processes loads through its universal copy."""
@@ -249,6 +284,11 @@ class AtomicCheckpointMixin:
             saved,
             now,
         )
+        if os.path.isdir(os.path.join(checkpoint, "critic_deepspeed")):
+            raise ValueError(
+                f"{checkpoint} holds PPO's separate critic as a DeepSpeed engine of its own, which trlx_scale does not "
+                f"convert to another world size yet: resume it with {saved} processes (it was saved by {saved})."
+            )
         if self.accelerator.is_main_process:
             convert_to_universal(checkpoint)
         self.accelerator.wait_for_everyone()
@@ -344,13 +384,30 @@ class AtomicCheckpointMixin:
         # No rank goes on (and, when preempted, exits) before the marker exists: a launcher that kills the whole job
         # when one process exits (srun --kill-on-bad-exit) must never cut rank 0 off before it.
         self.accelerator.wait_for_everyone()
+        self._last_completed = path
+        self._on_checkpoint_complete(path)
+
+    def _on_checkpoint_complete(self, path: str) -> None:
+        """Seam, on every rank once a checkpoint is complete (the Hub mixin pushes it from here)."""
+        parent = getattr(super(), "_on_checkpoint_complete", None)
+        if parent is not None:
+            parent(path)
 
     def _save_checkpoint(self, model, trial) -> None:
         self._finish_pending_saves(block=True)  # one background save at a time: the previous one lands first
         run_dir = self._get_output_dir(trial=trial)
         path = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
-        if self.args.should_save and os.path.isdir(path) and not is_complete_checkpoint(path):
-            logger.warning("Removing %s: a torn checkpoint of an earlier run (its save never finished).", path)
+        if self._last_completed == path and is_complete_checkpoint(path):
+            return  # this run saved this very step already (e.g. the epoch's end right after a preemption's save)
+        if self.args.should_save and os.path.isdir(path):
+            # A torn one, or a complete one an earlier run wrote at this step (this run resumed from an older one):
+            # writing into it would mix files of two runs (and of two world sizes) under a stale marker.
+            why = (
+                "an earlier run's"
+                if is_complete_checkpoint(path)
+                else "a torn checkpoint of an earlier run (its save never finished)"
+            )
+            logger.warning("Removing %s: %s.", path, why)
             shutil.rmtree(path)
         self.accelerator.wait_for_everyone()
         self._check_disk_space(path, run_dir)
@@ -385,5 +442,10 @@ class AtomicCheckpointMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
+        engine_config = getattr(self.model_wrapped, "_config", None) if self.is_deepspeed_enabled else None
+        if getattr(engine_config, "load_universal_checkpoint", False):
+            # The universal copy served this resume only: a later load (the best model at the end) reads the
+            # engine's own checkpoints, which have no universal copy.
+            engine_config.load_universal_checkpoint = False
         if checkpoint is not None:  # resuming (transformers calls this once the optimizer exists)
             self._load_extra_state(checkpoint)

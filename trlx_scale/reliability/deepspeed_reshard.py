@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -52,16 +53,20 @@ def convert_to_universal(checkpoint_dir: str) -> str:
         raise ValueError(f"{checkpoint_dir} holds no DeepSpeed checkpoint (no 'latest' file): nothing to convert.")
     universal = f"{tag}_universal"
     target = os.path.join(checkpoint_dir, universal)
-    if not os.path.isdir(os.path.join(target, "zero")):
+    if not os.path.isdir(target):  # written under a temporary name and renamed: a killed conversion is not reused
+        partial = f"{target}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
         command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
-        command += ["--input_folder", os.path.join(checkpoint_dir, tag), "--output_folder", target]
+        command += ["--input_folder", os.path.join(checkpoint_dir, tag), "--output_folder", partial]
         command += ["--num_extract_workers", "1", "--num_merge_workers", "1"]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
+            shutil.rmtree(partial, ignore_errors=True)
             raise RuntimeError(
                 f"Converting {checkpoint_dir} to DeepSpeed's universal checkpoint (to resume it at another world "
                 f"size) failed:\n{done.stderr[-3000:]}\nResume with the number of processes that saved it instead."
             )
+        os.replace(partial, target)
     with open(os.path.join(checkpoint_dir, UNIVERSAL_TAG_FILE), "w") as handle:
         handle.write(universal)
     return universal

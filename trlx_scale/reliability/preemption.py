@@ -13,6 +13,12 @@ since the last save is lost. Here:
    ``checkpoints.py``), training stops, and ``train()`` raises ``TrainingPreempted``: a ``SystemExit`` with
    ``PREEMPTED_EXIT_CODE`` (75, sysexits' EX_TEMPFAIL: "try again"), so an unchanged script exits with it.
 4. A second signal exits at once (``128 + signal``, the shell's convention), for a user who really wants it gone.
+   Signals within ``REPEAT_WINDOW_S`` of the first count as the same notice: one preemption often arrives several
+   times within milliseconds (Slurm signals every process of the step, torchrun forwards its own copy, a batch
+   script forwards another).
+5. A signal that arrives after the last step (during the final save or evaluation) is not swallowed: once ``train()``
+   is over it is raised again with the previous handler (by default: the process ends). A run preempted at its last
+   step has finished: it returns normally.
 
 So the work lost is at most the part of the step in progress past the grace period: a step must finish within the
 warning time (Slurm's ``@<s>``; Kubernetes' ``terminationGracePeriodSeconds``). Under ``torchrun``/``accelerate
@@ -26,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from transformers import TrainerCallback
@@ -36,6 +43,7 @@ logger = logging.get_logger(__name__)
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_EXIT_CODE = 75
 MAIN_PID_FILE = "trlx_scale_main.pid"  # in output_dir, written by rank 0 while it trains
+REPEAT_WINDOW_S = 2.0
 
 
 class TrainingPreempted(SystemExit):
@@ -55,10 +63,17 @@ class TrainingPreempted(SystemExit):
 class PreemptionHandler:
     """Installs the signal handlers for the length of ``train()`` and restores the previous ones after."""
 
-    def __init__(self, signals: tuple[int, ...] = PREEMPTION_SIGNALS, exit_now: Callable[[int], None] = os._exit):
+    def __init__(
+        self,
+        signals: tuple[int, ...] = PREEMPTION_SIGNALS,
+        exit_now: Callable[[int], None] = os._exit,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.signals = signals
         self.exit_now = exit_now
+        self.clock = clock
         self.received: int | None = None
+        self.received_at = 0.0
         self._previous: dict[int, object] = {}
 
     def install(self) -> bool:
@@ -73,14 +88,21 @@ class PreemptionHandler:
             signal.signal(number, previous)
         self._previous.clear()
 
+    def reraise_unhandled(self) -> None:
+        """After ``uninstall``: a signal no step end acted on goes to the previous handler (default: exit)."""
+        if self.received is not None:
+            signal.raise_signal(self.received)
+
     def _on_signal(self, number: int, frame) -> None:
         name = signal.Signals(number).name
+        if self.received is not None and self.clock() - self.received_at < REPEAT_WINDOW_S:
+            return  # the same notice, delivered again (by the launcher, the batch script)
         if self.received is not None:
             sys.stderr.write(f"trlx_scale: second preemption signal ({name}): exiting now, without saving.\n")
             sys.stderr.flush()
             self.exit_now(128 + number)
             return
-        self.received = number
+        self.received, self.received_at = number, self.clock()
         # No logging here: a handler may interrupt the logging module while it holds its lock.
         sys.stderr.write(f"trlx_scale: {name} received: finishing this step, then saving a checkpoint and exiting.\n")
         sys.stderr.flush()

@@ -40,10 +40,10 @@ def uses_sharded_fsdp_checkpoints(trainer: Any) -> bool:
     return bool(trainer.is_fsdp_enabled) and plugin is not None and "SHARDED" in str(plugin.state_dict_type)
 
 
-def _options(full: bool = False):
+def _options(full: bool = False, trained_only: bool = False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=full, cpu_offload=full)
+    return StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=trained_only)
 
 
 def _adapter_only(model: torch.nn.Module, adapter_only: bool) -> bool:
@@ -189,4 +189,5 @@ def consolidated_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ``save_model``, the Hub and vLLM, which load one consolidated file."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options(full=True))
+    # A PEFT model saves its adapter only: gathering the frozen base (140 GB at 70B) to rank 0 would be for nothing.
+    return get_model_state_dict(model, options=_options(full=True, trained_only=hasattr(model, "peft_config")))
