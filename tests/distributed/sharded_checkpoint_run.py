@@ -120,10 +120,20 @@ def main() -> dict:
             mark_checkpoint_complete(path, step, files)
         dist.barrier()
     # The consolidated weights (what save_model and the Hub get) are the sharded model's full tensors.
+    # (A PEFT model's consolidated state is its adapter: the frozen base is never gathered.)
     full = consolidated_model_state(model)  # on rank 0 (the others get {})
-    gathered = {name: param.full_tensor().cpu() for name, param in model.named_parameters()}
+    gathered = {
+        name: param.full_tensor().cpu()
+        for name, param in model.named_parameters()
+        if param.requires_grad or not cli.lora
+    }
     if dist.get_rank() == 0:
-        report["consolidated_ok"] = bool(gathered) and all(torch.equal(full[n], t) for n, t in gathered.items())
+        frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+        report["consolidated_ok"] = (
+            set(gathered) <= set(full)  # every parameter (a tied head may add its second name)
+            and all(torch.equal(full[n], t) for n, t in gathered.items())
+            and (not cli.lora or not frozen & set(full))
+        )
     return report
 
 
