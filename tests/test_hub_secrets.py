@@ -18,6 +18,7 @@ from trlx_scale import DPOTrainer, GRPOTrainer
 from trlx_scale.hub.secrets import (
     SecretInUploadError,
     check_folder_has_no_secrets,
+    check_tracker_uploads,
     environment_secrets,
     files_with_secrets,
     known_secrets,
@@ -147,6 +148,21 @@ def test_special_token_fields_are_not_secrets(tmp_path):
     assert secret_field_names(args) == ["hub_token"]
     assert without_secrets(args).pad_token == "<|endoftext|>"
     assert "<|endoftext|>" not in known_secrets(args)
+
+
+def test_a_tracker_that_would_upload_the_arguments_with_a_token_is_refused(default_model_dir, tmp_path, monkeypatch):
+    """W&B's WANDB_LOG_MODEL saves the model through a plain transformers.Trainer: its training_args.bin would hold
+    hub_token and go to W&B, past the Hub mixin's rewrite and scan."""
+    args = small_grpo_config(tmp_path, hub_token="hf_abcdefgh12345678")
+    args.report_to = ["wandb"]
+    monkeypatch.setenv("WANDB_LOG_MODEL", "end")
+    with pytest.raises(ValueError, match=r"WANDB_LOG_MODEL makes the wandb callback upload .* hub_token: unset"):
+        GRPOTrainer(default_model_dir, exact_match_reward, args, train_dataset=addition_dataset("train", size=8))
+    monkeypatch.setenv("WANDB_LOG_MODEL", "false")
+    check_tracker_uploads(args)  # no model upload: nothing to refuse
+    args.hub_token = None
+    monkeypatch.setenv("WANDB_LOG_MODEL", "end")
+    check_tracker_uploads(args)  # no token in the arguments (HF_TOKEN is never pickled)
 
 
 def test_environment_secrets_are_found_by_name_and_short_values_ignored():

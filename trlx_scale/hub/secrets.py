@@ -66,6 +66,27 @@ def without_secrets(args: Any) -> Any:
     return clean
 
 
+# transformers' tracker callbacks that upload the saved model when these are set: they save it through a plain
+# transformers.Trainer, whose training_args.bin holds the whole arguments, tokens included.
+MODEL_UPLOADING_TRACKERS = {"wandb": "WANDB_LOG_MODEL", "dvclive": "HF_DVCLIVE_LOG_MODEL"}
+
+
+def check_tracker_uploads(args: Any) -> None:
+    """Refuse a tracker that would upload ``training_args.bin`` with a token in it (W&B's ``WANDB_LOG_MODEL``,
+    DVCLive's ``HF_DVCLIVE_LOG_MODEL``, with a config ``*_token`` field set)."""
+    tokens = [name for name in secret_field_names(args) if getattr(args, name, None)]
+    report_to = getattr(args, "report_to", None) or []
+    report_to = [report_to] if isinstance(report_to, str) else list(report_to)
+    for tracker, variable in MODEL_UPLOADING_TRACKERS.items():
+        uploads = os.environ.get(variable, "false").strip().lower() not in ("", "false", "0", "no")
+        if tokens and uploads and (tracker in report_to or "all" in report_to):
+            raise ValueError(
+                f"{variable} makes the {tracker} callback upload the saved model with a training_args.bin that holds "
+                f"{', '.join(tokens)}: unset {tokens[0]} (huggingface_hub reads HF_TOKEN or the `hf auth login` file "
+                f"instead) or unset {variable}."
+            )
+
+
 def environment_secrets(environ: dict[str, str] | None = None) -> set[str]:
     """Values of the environment's credential variables (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, WANDB_API_KEY, ...)."""
     environ = os.environ if environ is None else environ

@@ -38,6 +38,7 @@ from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.weight_sync import is_peft_model
 from ..hub.push import HubPushMixin
+from ..hub.secrets import check_tracker_uploads
 from ..planning.trainer_memory import PlannedMemoryMixin
 from ..profiling.trainer_profiling import PhaseProfilerMixin
 from ..reliability.checkpoints import AtomicCheckpointMixin
@@ -116,6 +117,7 @@ class DPOTrainer(
         check_train_dataset(train_dataset)
         if args is not None:
             check_launch_matches(args)
+            check_tracker_uploads(args)
         ours = isinstance(args, DPOConfig)
         self._online = ours and args.online
         needs = ONLINE_DPO_COLUMNS if self._online else DPO_COLUMNS

@@ -25,6 +25,7 @@ from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.weight_sync import is_peft_model
 from ..hub.push import HubPushMixin
+from ..hub.secrets import check_tracker_uploads
 from ..losses.policy_losses import log_importance_weights
 from ..losses.vllm_importance_sampling import importance_sampling_statistics, vllm_importance_sampling_ratio
 from ..optim.optimizer_offload import OptimizerStateOffloader
@@ -115,6 +116,7 @@ class GRPOTrainer(
         check_dataset_columns(eval_dataset, GRPO_COLUMNS, type(self).__name__, "eval_dataset")
         if args is not None:
             check_launch_matches(args)
+            check_tracker_uploads(args)
         # Each synchronous reward function reports its failures on every rank (trlx_scale.reliability).
         reward_funcs = guard_reward_functions(reward_funcs, option(args, GRPOConfig, "reward_errors"))
         super().__init__(
