@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -96,13 +97,12 @@ def main() -> None:
     root = holder[0]
     times: dict[str, list[float]] = {"consolidated": [], "sharded": [], "async_blocking": [], "async_total": []}
     for repeat in range(cli.repeats):
-        times["consolidated"].append(timed(lambda: consolidated_save(model, optimizer, f"{root}/full-{repeat}")))
-        times["sharded"].append(timed(lambda: save_sharded(model, optimizer, f"{root}/sharded-{repeat}")))
-        pending = []
-        times["async_blocking"].append(
-            timed(lambda: pending.append(save_sharded(model, optimizer, f"{root}/async-{repeat}", True)))
-        )
-        times["async_total"].append(timed(lambda: pending[0].wait()) + times["async_blocking"][-1])
+        times["consolidated"].append(timed(partial(consolidated_save, model, optimizer, f"{root}/full-{repeat}")))
+        times["sharded"].append(timed(partial(save_sharded, model, optimizer, f"{root}/sharded-{repeat}")))
+        pending: list = []
+        start_async = partial(save_sharded, model, optimizer, f"{root}/async-{repeat}", True)
+        times["async_blocking"].append(timed(lambda start=start_async, into=pending: into.append(start())))
+        times["async_total"].append(timed(pending[0].wait) + times["async_blocking"][-1])
         dist.barrier()
         if dist.get_rank() == 0:
             for kind in ("full", "sharded", "async"):
