@@ -78,9 +78,7 @@ def verify_checkpoint(path: str, rank: int = 0, world_size: int = 1, gather: Gat
     if recorded is None:
         logger.warning("%s records no checksums (saved by an older trlx_scale): resuming from it unverified.", path)
         return []
-    if gather is None:
-        return damaged_files(path, recorded)
-    return damaged_files(path, recorded, rank, world_size, gather)
+    return damaged_files(path, recorded, rank, world_size, gather or (lambda items: items))
 
 
 def is_complete_checkpoint(path: str) -> bool:
