@@ -2,7 +2,7 @@
 
 Both paths score the same collated pairs (TRL's `DataCollatorForPreference`, same truncation) with the same weights:
 TRL's `compute_ref_log_probs` over a DataLoader (what `precompute_ref_log_probs=True` runs), and the colocated engine
-through `trlx_scale.trainer.preference_pairs.completion_logprob_sums`. Each repeat times both back to back (order
+through `trlx_scale.dpo.preference_pairs.completion_logprob_sums`. Each repeat times both back to back (order
 alternating); medians and the median of the per-repeat ratios are printed, with the engine's one-time start-up and
 the largest per-sequence disagreement.
 
@@ -26,9 +26,9 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from trlx_scale import DPOConfig, DPOTrainer  # noqa: E402
+from trlx_scale.dpo.preference_pairs import completion_logprob_sums  # noqa: E402
 from trlx_scale.tasks import addition_preference_dataset, default_model_path  # noqa: E402
 from trlx_scale.trainer.dpo_trainer import REF_SCORING_CHUNK  # noqa: E402
-from trlx_scale.trainer.preference_pairs import completion_logprob_sums  # noqa: E402
 
 
 def trl_pass(trainer: DPOTrainer, batch_size: int) -> torch.Tensor:

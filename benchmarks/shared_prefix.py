@@ -25,7 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from trlx_scale.prefix.shared_prefix import shared_prefix_logps
+from trlx_scale.passes.shared_prefix import shared_prefix_logps
 
 MODES = ("duplicated", "shared")
 

@@ -16,6 +16,18 @@ import torch  # noqa: E402
 from trlx_scale.tasks.default_model import default_model_path  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _environment_of_the_test():
+    """Each test gets the environment it started with. A colocated engine exports RANK/WORLD_SIZE/MASTER_PORT for
+    vLLM's launcher; left behind, a later plain config would join a process group on that port (and fail with
+    EADDRINUSE when another job holds it)."""
+    saved = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     return default_model_path()

@@ -163,8 +163,11 @@ def test_lora_enabled_cpu_engine_still_cannot_score_prompts(default_model_dir):
 
     from trlx_scale.compat.vllm_cpu_lora_scoring import lora_breaks_prompt_logprobs, scoring_sync_mode
 
-    assert lora_breaks_prompt_logprobs(), "vLLM changed: review compat/vllm_cpu_lora_scoring.py's version guard"
-    assert scoring_sync_mode("auto") == "full" and scoring_sync_mode("lora") == "full"
+    assert lora_breaks_prompt_logprobs(cpu_only=True), (
+        "vLLM changed: review compat/vllm_cpu_lora_scoring.py's version guard"
+    )
+    assert scoring_sync_mode("auto", cpu_only=True) == "full" and scoring_sync_mode("lora", cpu_only=True) == "full"
+    assert scoring_sync_mode("lora", cpu_only=False) == "lora"  # GPU engines score prompts with LoRA on
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     result = subprocess.run(
         [sys.executable, "-c", LORA_SCORING_PROBE, default_model_dir, ",".join(map(str, PROMPT))],

@@ -1,12 +1,17 @@
-"""docs/contributing.md's worked example (RLOO through the `_score_rollout` seam), run from the doc itself, so the
-doc and the code cannot drift apart."""
+"""docs/contributing.md's worked example (RLOO through the `_finish_rollout` seam), run from the doc itself, so the
+doc and the code cannot drift apart; and the trainer it builds has every trlx_scale feature."""
 
+import json
 import math
 import os
 import re
 
+import pytest
 import torch
 
+from trlx_scale.rollout import RolloutBatch
+
+from .helpers.fake_hub import FakeHub
 from .helpers.launch import REPO_ROOT
 from .helpers.trainers import small_grpo_config
 
@@ -21,36 +26,85 @@ def _rloo_trainer_class():
     return namespace["RLOOTrainer"]
 
 
-def test_rloo_from_the_contributing_guide_scores_leave_one_out_and_trains(default_model_dir, tmp_path):
+def _batch(rewards: torch.Tensor) -> RolloutBatch:
+    rows = rewards.size(0)
+    return RolloutBatch(
+        prompt_ids=torch.zeros(rows, 2, dtype=torch.long),
+        prompt_mask=torch.ones(rows, 2, dtype=torch.long),
+        completion_ids=torch.zeros(rows, 3, dtype=torch.long),
+        completion_mask=torch.ones(rows, 3, dtype=torch.long),
+        advantages=torch.zeros(rows),
+        rewards_per_func=rewards,
+        policy_version=0,
+    )
+
+
+@pytest.fixture()
+def fake_hub(monkeypatch):
+    with FakeHub() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_contributing_secret_token")
+        yield hub
+
+
+def test_rloo_from_the_contributing_guide_scores_leave_one_out_trains_and_has_every_feature(
+    default_model_dir, tmp_path, fake_hub
+):
     from trlx_scale.tasks import addition_dataset, exact_match_reward
 
     rloo = _rloo_trainer_class()
+    args = small_grpo_config(
+        tmp_path,
+        use_vllm=True,
+        vllm_dtype="trainer",
+        max_steps=2,
+        save_steps=2,
+        save_strategy="steps",
+        hub_model_id="tester/rloo-run",
+        hub_push_backoff_s=0.01,
+    )
     trainer = rloo(
         model=default_model_dir,
         reward_funcs=exact_match_reward,
-        args=small_grpo_config(tmp_path, use_vllm=True, vllm_dtype="trainer", max_steps=2),
+        args=args,
         train_dataset=addition_dataset("train", size=32),
     )
     # By hand, one group of 4 with rewards (1, 0, 0, 1): A_i = r_i - mean of the other three,
     # = (1 - 1/3, 0 - 2/3, 0 - 2/3, 1 - 1/3).
     trainer.model.train()
-    output = {"completion_ids": torch.zeros(4, 3, dtype=torch.long), "advantages": torch.zeros(4)}
-    scored = trainer._score_rollout(output, torch.tensor([[1.0], [0.0], [0.0], [1.0]]))
-    assert torch.allclose(scored["advantages"], torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    scored = trainer._finish_rollout(_batch(torch.tensor([[1.0], [0.0], [0.0], [1.0]])))
+    assert torch.allclose(scored.advantages, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
 
     seen = []
-    original = trainer._score_rollout
+    original = trainer._finish_rollout
 
-    def recording(output, rewards_per_func):
-        result = original(output, rewards_per_func)
-        seen.append((rewards_per_func.clone(), result["advantages"].clone()))
+    def recording(batch):
+        result = original(batch)
+        seen.append((batch.rewards_per_func.clone(), result.advantages.clone(), result.policy_version))
         return result
 
-    trainer._score_rollout = recording
+    trainer._finish_rollout = recording
     trainer.train()
     assert trainer.state.global_step == 2 and seen
-    for rewards_per_func, advantages in seen:
+    for rewards_per_func, advantages, _ in seen:
         groups = rewards_per_func.sum(dim=1).view(-1, 4).tolist()
         expected = [r - (sum(g) - r) / 3 for g in groups for r in g]
         assert torch.allclose(advantages, torch.tensor(expected, dtype=advantages.dtype), atol=1e-6)
-    assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+    # Each rollout is tagged with the policy version that generated it: 0, then 1 after the first update.
+    assert [version for _, _, version in seen] == [0, 1]
+    history = trainer.state.log_history
+    assert all(math.isfinite(e["loss"]) for e in history if "loss" in e)
+
+    # The features the doc promises, each seen in what it produces.
+    train_logs = [e for e in history if "loss" in e]
+    assert any(key.startswith("time/") for key in train_logs[0]), "profiler"
+    assert all("reliability/skipped_steps" in e for e in train_logs), "non-finite guard"
+    assert "memory/planned_peak_gib" in train_logs[0], "planned memory"
+    checkpoint = tmp_path / "checkpoint-2"
+    marker = json.loads((checkpoint / "trlx_scale_checkpoint_complete.json").read_text())
+    assert marker["global_step"] == 2 and marker["files"], "atomic checkpoints"
+    assert json.loads((checkpoint / "policy_version.json").read_text()) == {"policy_version": 2}
+    trainer.push_to_hub()
+    files = fake_hub.repos["tester/rloo-run"]
+    assert "README.md" in files and "rloo" in files["README.md"].decode()  # the trainer's tag on the card
+    assert not any(b"hf_contributing_secret_token" in body for body in fake_hub.received), "Hub push, scanned"

@@ -8,8 +8,8 @@ import trl
 from peft import LoraConfig
 
 from trlx_scale import DPOConfig, DPOTrainer
+from trlx_scale.dpo.preference_pairs import best_worst_pairs, completion_logprob_sums
 from trlx_scale.tasks import addition_dataset, addition_preference_dataset, exact_match_reward
-from trlx_scale.trainer.preference_pairs import best_worst_pairs, completion_logprob_sums
 
 from .helpers.trainers import small_dpo_config
 

@@ -52,7 +52,7 @@ def _loss_and_grads(default_model_dir, tmp_path, level, inputs):
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     # GSPO-token runs TRL's token branch on shifted log-probs; the level is mapped once, at start (no per-call flip).
-    assert trainer.sequence_token_ratios == (level == "sequence_token")
+    assert trainer.uses_sequence_token_ratios == (level == "sequence_token")
     assert trainer.importance_sampling_level == ("token" if level == "sequence_token" else level)
     return loss.detach(), grads
 
@@ -125,7 +125,7 @@ def test_gspo_token_trains_with_the_colocated_engine(default_model_dir, tmp_path
     trainer.train()
     assert (
         trainer.state.global_step == 3
-        and trainer.sequence_token_ratios
+        and trainer.uses_sequence_token_ratios
         and trainer.args.importance_sampling_level == "sequence_token"
     )
     assert (

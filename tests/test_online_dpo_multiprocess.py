@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trlx_scale.trainer.online_pair_balance import balance_pairs, check_multi_process_online_loss
+from trlx_scale.dpo.online_pair_balance import balance_pairs, check_multi_process_online_loss
 
 from .helpers.launch import ACCELERATE, REPO_ROOT, read_run_summary, run_command
 

@@ -140,14 +140,14 @@ def test_ppo_masks_rows_no_reward_function_scored(default_model_dir, tmp_path):
     args = small_grpo_config(tmp_path, PPOConfig, max_steps=1, critic_learning_rate=1e-3)
     trainer = PPOTrainer(default_model_dir, half_unscored, args, addition_dataset("train", size=16), peft_config=LORA)
     captured = {}
-    score_rollout = trainer._score_rollout
+    finish_rollout = trainer._finish_rollout
 
-    def capture(output, rewards_per_func):
-        result = score_rollout(output, rewards_per_func)
-        captured["mask"] = result["completion_mask"].clone()
+    def capture(batch):
+        result = finish_rollout(batch)
+        captured["mask"] = result.completion_mask.clone()
         return result
 
-    trainer._score_rollout = capture
+    trainer._finish_rollout = capture
     trainer.train()
     assert logged(trainer, "ppo/unscored_rows") == [4.0]
     assert captured["mask"][:4].sum() == 0 and captured["mask"][4:].sum() > 0

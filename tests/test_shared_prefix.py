@@ -14,7 +14,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from trlx_scale import GRPOTrainer
 from trlx_scale.compat.checkpoint_with_cache import FLAG, checkpointed_cache_supported
-from trlx_scale.prefix.shared_prefix import (
+from trlx_scale.passes.shared_prefix import (
     find_prompt_groups,
     shared_prefix_logps,
     shared_token_ratio,

@@ -17,17 +17,17 @@ NEW_METHODS = {
     GRPOTrainer: {
         "_check_vllm_only_options",
         "_build_colocated_engine",
-        "_setup_master_weights",
-        "_uses_master_optimizer",
         "_shared_prefix_enabled",
         "_shared_prefix_blocker",
-        "_shared_prefix_logps",
         "_all_ranks_can_share",
         "_planner_extra_roles",
         "_postprocess_loss_logps",
-        "_score_rollout",
+        "_finish_rollout",
         "_is_reference_pass",
-        "_logps_and_entropies_pass",
+        "_choose_logprob_pass",
+        "_record_pass",
+        "_rollout_engine",
+        "_before_log",
         "_defers_old_logprobs",
         "_deferred_correction",
         "_save_extra_state",
@@ -42,6 +42,7 @@ NEW_METHODS = {
         "_planner_engine",
         "_planner_num_generations",
         "_planner_extra_roles",
+        "_training_step",
         "_save_extra_state",
         "_load_extra_state",
     },
@@ -59,7 +60,8 @@ NEW_METHODS = {
         "_planner_algorithm",
         "_planner_extra_roles",
         "_postprocess_loss_logps",
-        "_score_rollout",
+        "_finish_rollout",
+        "_values_and_gae",
         "_save_extra_state",
         "_load_extra_state",
         "_extra_gradients_finite",
@@ -69,7 +71,9 @@ NEW_METHODS = {
     },
     ColocatedVLLMGeneration: {
         "set_rollout_seed",
-        "from_config",
+        "ensure_version",
+        "_current_version",
+        "_serve_current_version",
         "_join_tensor_parallel_group",
         "_export_launcher_environment",
         "_record_generation",
@@ -164,9 +168,11 @@ def test_reliability_and_hub_mixins_override_trainer_methods_that_still_exist():
     from trlx_scale.hub.push import HubPushMixin
     from trlx_scale.reliability.checkpoints import AtomicCheckpointMixin
     from trlx_scale.reliability.nonfinite_guard import NonFiniteGuardMixin
+    from trlx_scale.trainer.features import TrainerFeatures
 
     overrides = {
-        NonFiniteGuardMixin: ("training_step", "_get_grad_norm", "log"),
+        TrainerFeatures: ("training_step", "log"),
+        NonFiniteGuardMixin: ("_get_grad_norm",),
         AtomicCheckpointMixin: (
             "train",
             "_save_checkpoint",
@@ -190,7 +196,7 @@ def test_reliability_and_hub_mixins_override_trainer_methods_that_still_exist():
             ours = [p.name for p in inspect.signature(getattr(mixin, name)).parameters.values()]
             positional = [n for n in ours if n not in ("args", "kwargs")]
             assert theirs[: len(positional)] == positional, f"{mixin.__name__}.{name}: {ours} vs {theirs}"
-    for event in ("on_pre_optimizer_step", "on_step_end"):
+    for event in ("on_pre_optimizer_step", "on_optimizer_step", "on_step_end"):
         assert hasattr(TrainerCallback, event)
     # transformers' save_model pushes unless _internal_call (the Hub mixin relies on the flag to save only).
     assert "_internal_call" in inspect.signature(Trainer.save_model).parameters
@@ -211,14 +217,17 @@ def test_transformers_still_pickles_the_whole_arguments_where_the_hub_mixin_rewr
 
 
 def test_phase_profiler_mixin_overrides_keep_trainer_signatures():
-    """The profiler wraps Trainer.training_step, evaluate and log with *args/**kwargs: they forward every call, and
-    the methods it times (and the callback events it listens to) must still exist upstream."""
+    """The profiler wraps Trainer.evaluate with *args/**kwargs (TrainerFeatures wraps training_step and log, with
+    transformers' own parameters), and the methods it times (and the callback events it listens to) must still exist
+    upstream."""
     from transformers import Trainer, TrainerCallback
 
     from trlx_scale.profiling.trainer_profiling import PhaseProfilerMixin
+    from trlx_scale.trainer.features import TrainerFeatures
 
-    for name in ("training_step", "evaluate", "log"):
-        assert hasattr(Trainer, name) and hasattr(PhaseProfilerMixin, name)
+    assert hasattr(Trainer, "evaluate") and hasattr(PhaseProfilerMixin, "evaluate")
+    for name in ("training_step", "log"):
+        assert _parameters(getattr(TrainerFeatures, name)) == _parameters(getattr(Trainer, name)), name
     for event in ("on_train_begin", "on_optimizer_step", "on_step_end"):
         assert hasattr(TrainerCallback, event)
     for name in (
@@ -233,10 +242,11 @@ def test_phase_profiler_mixin_overrides_keep_trainer_signatures():
 
 
 def test_planned_memory_mixin_overrides_keep_trainer_signatures():
-    """The mixin wraps Trainer.log and compute_loss: every way TRL/transformers call them must still bind."""
+    """The mixin wraps compute_loss (and TrainerFeatures log): every way TRL/transformers call them must still bind."""
     from trlx_scale.planning.trainer_memory import PlannedMemoryMixin
+    from trlx_scale.trainer.features import TrainerFeatures
 
-    assert _parameters(PlannedMemoryMixin.log) == _parameters(trl.GRPOTrainer.log)
+    assert _parameters(TrainerFeatures.log) == _parameters(trl.GRPOTrainer.log)
     for parent in (trl.GRPOTrainer, trl.DPOTrainer):
         upstream = inspect.signature(parent.compute_loss)
         call = upstream.bind(None, "model", "inputs", *[p.default for p in list(upstream.parameters.values())[3:]])
@@ -289,7 +299,7 @@ def test_trl_init_uses_use_vllm_only_where_we_replay_it():
     assert (
         'if self.importance_sampling_level == "token":\n            log_importance_weights = log_ratio' in loss_source
     )
-    # The seams: _score_rollout gets the rewards TRL computes inside _generate_and_score_completions, and the loss
+    # The seams: _finish_rollout gets the rewards TRL computes inside _generate_and_score_completions, and the loss
     # pass's log-probs come from _get_per_token_logps_and_entropies, called by _compute_loss; TRL reads
     # importance_sampling_level only in _compute_loss (GSPO-token maps to its "token" branch once, at start).
     score_source = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)

@@ -82,7 +82,7 @@ def render() -> str:
             "",
             f"## `trlx_scale.{ours.__name__}`",
             "",
-            f"### Fields added by trlx_scale (off or neutral by default: then it behaves as `trl.{parent.__name__}`)",
+            "### Fields added by trlx_scale (the defaults that differ from TRL's behaviour, and why: docs/defaults.md)",
             "",
             *_table(ours, added),
             "",

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from trlx_scale.prefix.shared_prefix import all_ranks_can_share, can_share_prefix, shared_prefix_logps
+from trlx_scale.passes.shared_prefix import all_ranks_can_share, can_share_prefix, shared_prefix_logps
 from trlx_scale.tasks.default_model import default_model_path
 
 PROMPT_LENGTH, COMPLETION_LENGTH = 7, 5

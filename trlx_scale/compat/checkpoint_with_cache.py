@@ -2,7 +2,7 @@
 
 Why: a transformers decoder layer under gradient checkpointing drops ``past_key_values`` (a cache that is written in
 the forward would be written a second time by the backward recompute), unless the layer says it only reads the
-cache: ``GradientCheckpointingLayer._can_checkpoint_with_cache``. The shared-prefix pass (``prefix.shared_prefix``)
+cache: ``GradientCheckpointingLayer._can_checkpoint_with_cache``. The shared-prefix pass (``passes.shared_prefix``)
 passes caches whose ``update`` is idempotent (the prefix capture overwrites, the completion cache only reads), so a
 recompute sees exactly the states of the forward. While that pass runs, this module sets the documented flag on the
 instances of the model's layers, and removes it afterwards; the classes are never touched. The layers capture their

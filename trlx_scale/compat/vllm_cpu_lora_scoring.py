@@ -11,16 +11,16 @@ enabled (then this workaround can go) or when another vLLM is installed (then th
 
 from __future__ import annotations
 
-from ..generation.cpu_environment import running_on_cpu_only
 from .known_warnings import installed_vllm_version
 
 AFFECTED_VLLM_SERIES = "0.32."
 
 
-def lora_breaks_prompt_logprobs() -> bool:
-    return running_on_cpu_only() and (installed_vllm_version() or "").startswith(AFFECTED_VLLM_SERIES)
+def lora_breaks_prompt_logprobs(cpu_only: bool) -> bool:
+    """``cpu_only``: the engine runs on the vLLM CPU build (``generation.cpu_environment.running_on_cpu_only``)."""
+    return cpu_only and (installed_vllm_version() or "").startswith(AFFECTED_VLLM_SERIES)
 
 
-def scoring_sync_mode(requested: str) -> str:
+def scoring_sync_mode(requested: str, cpu_only: bool) -> str:
     """The weight-sync mode of an engine that scores prompts: ``requested``, or "full" where LoRA breaks scoring."""
-    return "full" if lora_breaks_prompt_logprobs() else requested
+    return "full" if lora_breaks_prompt_logprobs(cpu_only) else requested

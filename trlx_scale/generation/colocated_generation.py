@@ -1,10 +1,12 @@
 """``ColocatedVLLMGeneration``: the engine component every trlx_scale trainer uses in colocate mode.
 
-It subclasses TRL's ``VLLMGeneration`` and keeps its interface (``sync_weights()``, ``generate(...)``, ``llm``), so
-TRL's trainer code drives it unchanged, and it is the only object that talks to vLLM. Per rollout:
+It implements ``engine.RolloutEngine`` (trainers build it with ``engine.build_engine``) and subclasses TRL's
+``VLLMGeneration``, keeping its interface (``sync_weights()``, ``generate(...)``, ``llm``), so TRL's trainer code
+drives it unchanged; it is the only object that talks to vLLM. Per rollout:
 
-    wake(weights) -> sync (LoRA adapter only, or every weight in buckets) -> wake(kv_cache) -> reset prefix cache
-    -> TRL's generate, each group's prompt sent once with n samples -> sleep
+    wake(weights) -> sync to the trainer's policy version if not served yet (LoRA adapter only, or every weight in
+    buckets) -> wake(kv_cache) -> reset prefix cache -> TRL's generate, each group's prompt sent once with n samples
+    -> sleep
 
 What is TRL's and what is ours:
 
@@ -14,8 +16,9 @@ What is TRL's and what is ours:
 - ``_init_vllm`` is ours: TRL builds the ``vllm.LLM`` inline with no hook for the arguments added here (``dtype``,
   ``enforce_eager``, LoRA serving, prefix caching); its tensor-parallel groups and launcher environment are copied
   from TRL 1.16.0 in two small helpers, pinned by tests/test_trl_contract.py;
-- ``sync_weights`` is ours: LoRA-only and bucketed full sync (``weight_sync``), through vLLM's in-place reload where
-  the per-parameter path is broken (``trlx_scale.compat.vllm_weight_reload``);
+- ``sync_weights`` is ours: TRL calls it when its step changed, and it brings the engine to the trainer's policy
+  version (``ensure_version``: the one "is the engine current" check), by LoRA-only or bucketed full sync
+  (``weight_sync``) over the in-process transport (``weight_transport``);
 - per-round metrics (``pop_metrics``): sync time and bytes, wake/sleep/generation time, tokens/s, device memory.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import is_bitsandbytes_available
@@ -31,12 +35,8 @@ from trl.generation.vllm_generation import VLLMGeneration
 from trl.import_utils import is_vllm_available
 from trl.trainer.utils import ensure_master_addr_port
 
-from ..compat.vllm_weight_reload import (
-    needs_layerwise_reload,
-    reload_weights_in_place,
-    tied_weight_aliases,
-    with_tied_aliases,
-)
+from ..compat.vllm_weight_reload import tied_weight_aliases, with_tied_aliases
+from ..peft_models import is_peft_model
 from ..profiling.phase_timer import PhaseTimer
 from ..reliability.input_checks import check_prompts_fit_context
 from .cpu_environment import running_on_cpu_only
@@ -57,8 +57,8 @@ from .weight_sync import (
     choose_sync_mode,
     full_weight_stream,
     is_fsdp2_sharded,
-    is_peft_model,
 )
+from .weight_transport import InProcessTransport, WeightTransport
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         sleep_level: "auto" (1 for LoRA-only sync, 2 for full), 1 or 2; used when ``enable_sleep_mode``.
         sync_bucket_mb: size of the buckets a full sync gathers and pushes at a time.
         per_request_seed: seed each request from (seed, rank, step, prompt) once ``set_rollout_seed`` was called.
+        policy_version: returns the trainer's current policy version (``rollout.policy_version``); None (an engine
+            driven by hand, as in tests and benchmarks): every sync pushes, and an asleep engine syncs on waking.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         sleep_level: str | int = "auto",
         sync_bucket_mb: float = 256.0,
         per_request_seed: bool = False,
+        policy_version: Callable[[], int] | None = None,
         **kwargs,
     ):
         self.dtype = check_vllm_dtype(dtype)
@@ -94,6 +97,9 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         self.requested_sleep_level = check_sleep_level(sleep_level)
         self.sync_bucket_bytes = int(check_positive("vllm_sync_bucket_mb", sync_bucket_mb) * 2**20)
         self.per_request_seed = per_request_seed
+        self._policy_version = policy_version
+        self.served_version: int | None = None  # the policy version the engine's weights are (None: not synced yet)
+        self.transport: WeightTransport | None = None  # set with the vLLM engine (_init_vllm)
         self._tied_aliases: dict[str, str] | None = None
         self._metrics: dict[str, float] = {}
         # The trainer's step profiler (trlx_scale.profiling); a weight sync is its own phase inside generation.
@@ -104,22 +110,6 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ construction
-
-    @classmethod
-    def from_config(cls, args, *, model, accelerator, processing_class, **settings) -> ColocatedVLLMGeneration:
-        """The engine every trainer builds: trlx_scale's engine options from ``args`` (its ``ColocatedEngineFields``;
-        their defaults for a plain TRL config) plus ``settings``, the arguments of TRL's ``VLLMGeneration`` that the
-        trainer decides (sampling, lengths, batch) and any engine option it must override."""
-        from ..trainer.shared_fields import ColocatedEngineFields  # the trainer package imports this module
-
-        # A plain TRL config gets TRL's engine dtype ("auto"): behaviour exactly TRL's until a trlx_scale field is set.
-        fields = (
-            args
-            if isinstance(args, ColocatedEngineFields)
-            else ColocatedEngineFields(vllm_dtype="auto", vllm_per_request_seed=False)
-        )
-        options = {**fields.engine_options(getattr(model, "dtype", None)), **settings}
-        return cls(model=model, accelerator=accelerator, processing_class=processing_class, mode="colocate", **options)
 
     def llm_kwargs(self) -> dict:
         """Arguments of the colocated ``vllm.LLM``: TRL's choices plus trlx_scale's."""
@@ -195,6 +185,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         self._export_launcher_environment()
         engine = LLM(**self.llm_kwargs())
         self.llm = GroupedLLM(engine)
+        self.transport = InProcessTransport(self.llm)
         self.lifecycle = EngineLifecycle(
             engine,
             sleep_level=self.sleep_level,
@@ -237,21 +228,35 @@ class ColocatedVLLMGeneration(VLLMGeneration):
     # ------------------------------------------------------------------ weight sync
 
     def sync_weights(self) -> None:
-        """Wake the weights and bring them up to date with the trainer's policy."""
-        with self.phase_timer.phase("weight_sync"):
-            self._sync_weights()
+        """TRL's entry point (called when TRL's step changed): serve the trainer's current policy version."""
+        self.ensure_version(self._current_version())
 
-    def _sync_weights(self) -> None:
-        start = time.perf_counter()
+    def _current_version(self) -> int | None:
+        return None if self._policy_version is None else self._policy_version()
+
+    def ensure_version(self, version: int | None) -> bool:
+        """Wake the weights and, unless they already are policy ``version``, bring them to it; True if it synced.
+
+        Current means: the engine serves ``version`` and still holds its weights (a level-2 sleep discards them, so
+        the next round re-sends them whatever the version). ``version`` None (no version source): always sync."""
         base_discarded = self.lifecycle.weights_discarded
         self.lifecycle.wake_weights()
+        if version is not None and version == self.served_version and not base_discarded:
+            return False
+        with self.phase_timer.phase("weight_sync"):
+            self._sync_weights(base_discarded)
+        self.served_version = version
+        return True
+
+    def _sync_weights(self, base_discarded: bool) -> None:
+        start = time.perf_counter()
         if self.sync_mode == "lora":
             if base_discarded:  # level-2 sleep dropped the base too: refill it (unmerged) before the adapter
                 if self._tied_aliases is None:
                     self._tied_aliases = tied_weight_aliases(self.model)
                 self._push_weights(with_tied_aliases(self._lora_sync.base_weights(), self._tied_aliases))
             sent = self._lora_sync.write_adapter()
-            self.llm.lora_request = self._lora_sync.request()
+            self.transport.serve_adapter(self._lora_sync.request())
         else:
             counter: dict[str, int] = {}
             self._push_weights(self._full_weights(counter))
@@ -289,11 +294,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         return any(name.startswith(prefix) for prefix in self.excluded_parameter_prefixes)
 
     def _push_weights(self, named_weights) -> None:
-        worker = self.llm.llm_engine.model_executor.driver_worker
-        if needs_layerwise_reload():
-            reload_weights_in_place(worker, named_weights)
-        else:
-            worker.model_runner.model.load_weights(named_weights)
+        self.transport.load_weights(named_weights)
 
     # ------------------------------------------------------------------ generation
 
@@ -309,8 +310,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         context = self.llm.llm_engine.model_config.max_model_len
         check_prompts_fit_context(_prompt_token_ids(prompts), self.max_completion_length, context)  # before waking
         memory_before = _device_memory()
-        if self.lifecycle.state is self.lifecycle.state.ASLEEP:
-            self.sync_weights()  # slept since the last sync: weights to wake (level 1) or to refill (level 2)
+        self._serve_current_version()
         self.lifecycle.wake_kv_cache()
         self.lifecycle.begin_generation()
         start = time.perf_counter()
@@ -351,8 +351,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         """
         from vllm import SamplingParams
 
-        if self.lifecycle.state is self.lifecycle.state.ASLEEP:
-            self.sync_weights()
+        self._serve_current_version()
         self.lifecycle.wake_kv_cache()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, top_p=1.0, top_k=0)
         self.lifecycle.begin_generation()
@@ -371,6 +370,12 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             [position[token].logprob for position, token in zip(output.prompt_logprobs[1:], ids[1:], strict=True)]
             for output, ids in zip(outputs, sequences, strict=True)
         ]
+
+    def _serve_current_version(self) -> None:
+        """Before a round: never generate with stale weights. With a version source that is one comparison; an
+        engine driven by hand syncs when it slept since its last sync (weights to wake, or to refill at level 2)."""
+        if self._policy_version is not None or self.lifecycle.state is self.lifecycle.state.ASLEEP:
+            self.ensure_version(self._current_version())
 
     def pop_metrics(self) -> dict[str, float]:
         """Metrics of the rounds since the last call (the trainer logs them through TRL's metric path)."""

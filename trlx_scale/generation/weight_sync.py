@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..atomic_files import replace_atomically
+from ..peft_models import is_peft_model
 from .base_check import base_differs_from_checkpoint, base_rewriting_init
 from .engine_options import check_sync_mode
 
@@ -37,10 +38,6 @@ logger = logging.getLogger(__name__)
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 LORA_ADAPTER_NAME = "trlx_scale_policy"
 LORA_ADAPTER_ID = 1  # one fixed slot, replaced in place on every update
-
-
-def is_peft_model(model: torch.nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def is_fsdp2_sharded(model: torch.nn.Module) -> bool:

@@ -22,10 +22,11 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from transformers.utils import logging
 
+from ..options import option
 from ..reliability.sharded_checkpoint import consolidated_model_state, uses_sharded_fsdp_checkpoints
 from .model_card import trlx_scale_card_section
 from .secrets import check_folder_has_no_secrets, known_secrets, write_training_args
@@ -98,9 +99,6 @@ class HubPushMixin:
     """Mixed into a trainer ahead of TRL's class. Reads ``push_merged``, ``hub_push_retries`` and
     ``hub_push_backoff_s`` from the config (defaults when it is a plain TRL config)."""
 
-    def _hub_option(self, name: str, default: Any) -> Any:
-        return getattr(self.args, name, default)
-
     def _hub_api(self):
         from huggingface_hub import HfApi
 
@@ -116,8 +114,8 @@ class HubPushMixin:
                 name, token=token or self.args.hub_token, private=self.args.hub_private_repo, exist_ok=True
             ),
             f"creating the Hub repo {name}",
-            self._hub_option("hub_push_retries", 3),
-            self._hub_option("hub_push_backoff_s", 2.0),
+            option(self.args, "hub_push_retries"),
+            option(self.args, "hub_push_backoff_s"),
         )
         self.hub_model_id = repo.repo_id
         self.push_in_progress = None
@@ -182,8 +180,8 @@ class HubPushMixin:
                     revision=revision or self.args.hub_revision,
                 ),
                 f"uploading to {self.hub_model_id}",
-                self._hub_option("hub_push_retries", 3),
-                self._hub_option("hub_push_backoff_s", 2.0),
+                option(self.args, "hub_push_retries"),
+                option(self.args, "hub_push_backoff_s"),
             )
         except Exception as error:
             raise HubPushError(
@@ -201,7 +199,7 @@ class HubPushMixin:
         self.accelerator.wait_for_everyone()
 
     def _save_for_hub(self, staging: str) -> None:
-        if not self._hub_option("push_merged", False):
+        if not option(self.args, "push_merged"):
             if uses_sharded_fsdp_checkpoints(self):
                 self._save_consolidated(staging)
             else:
@@ -310,8 +308,8 @@ class HubPushMixin:
                     revision=self.args.hub_revision,
                 ),
                 f"uploading a checkpoint to {self.hub_model_id}",
-                self._hub_option("hub_push_retries", 3),
-                self._hub_option("hub_push_backoff_s", 2.0),
+                option(self.args, "hub_push_retries"),
+                option(self.args, "hub_push_backoff_s"),
             )
         except Exception as error:  # noqa: BLE001 - a lost checkpoint upload must not stop training
             logger.warning(

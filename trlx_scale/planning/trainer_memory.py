@@ -24,6 +24,7 @@ import sys
 
 import torch
 
+from ..options import option
 from .held_memory import held_gib, local_bytes
 from .memory_model import GIB, Layout, Plan, RunSpec, role_memory
 from .model_shape import ModelShape
@@ -90,15 +91,15 @@ def backend_of(accelerator) -> tuple[str, bool]:
 
 
 class PlannedMemoryMixin:
-    """Logs ``memory/planned_peak_gib`` next to the measured peaks; mixed into every trlx_scale trainer."""
+    """Logs ``memory/planned_peak_gib`` next to the measured peaks: a trainer feature (``trlx_scale.trainer.features``,
+    which calls ``_setup_planner_before_trl`` before TRL's ``__init__`` and adds ``_memory_log_metrics`` to every log).
+    """
 
-    def __init__(self, *args, **kwargs):
-        model = kwargs.get("model", args[0] if args else None)
+    def _setup_planner_before_trl(self, model) -> None:
         # The process's runtime before the trainer builds anything: what is resident, less the model already loaded.
         self._runtime_baseline_bytes = max(current_rss_bytes() - materialized_model_bytes(model), 0)
         self._observed_batch: tuple[int, int, int] | None = None  # (rows, prompt tokens, completion tokens)
         self._model_shape_cache = None
-        super().__init__(*args, **kwargs)
 
     # ---------------------------------------------------------------- what a trainer tells the planner
     def _planner_algorithm(self) -> str:
@@ -148,7 +149,7 @@ class PlannedMemoryMixin:
             self._model_shape_cache = ModelShape.from_config(unwrapped.config, params=total)
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
         dtype = next((p.dtype for p in params if p.requires_grad), torch.float32)
-        masters = bool(getattr(self.args, "uses_fp32_master_weights", False))
+        masters = bool(option(self.args, "uses_fp32_master_weights"))
         if dtype == torch.float32:
             precision = "fp32"
         else:
@@ -225,5 +226,5 @@ class PlannedMemoryMixin:
             metrics["memory/peak_device_gib"] = round(torch.cuda.max_memory_reserved(self.accelerator.device) / GIB, 4)
         return metrics
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        super().log({**logs, **self.memory_metrics()}, start_time)
+    def _memory_log_metrics(self, logs: dict[str, float]) -> dict[str, float]:
+        return self.memory_metrics()

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
+from ..options import option
 from .device_peak import device_peak_tflops
 from .flops import ModelFlops, generation_flops
 from .phase_timer import PHASES, PhaseTimer
@@ -46,19 +47,21 @@ class StepRecord:
 
 
 class PhaseProfilerMixin:
-    """Times the phases of every step; mixed into each trlx_scale trainer ahead of TRL's class."""
+    """Times the phases of every step: a trainer feature (``trlx_scale.trainer.features``), which calls
+    ``_setup_profiler_before_trl`` before TRL's ``__init__`` and ``_setup_profiler`` after it, wraps each
+    ``training_step`` in ``_profiled_step`` and adds ``_profiler_log_metrics`` to every log."""
 
-    def __init__(self, *args, **kwargs):
-        config = kwargs.get("args")
+    def _setup_profiler_before_trl(self, config) -> None:
         # Before TRL's __init__: DPO scores its reference log-probs there.
-        self.phase_timer = PhaseTimer(enabled=bool(getattr(config, "profile_phases", True)))
+        self.phase_timer = PhaseTimer(enabled=bool(option(config, "profile_phases")))
         self._step_records: list[StepRecord] = []
         self._setup_phases: dict[str, float] = {}
         self._profiler_seconds = 0.0
         self._flops_shape: ModelFlops | None = None
         self._pending_passes: list[tuple[torch.Tensor, bool, float]] = []  # (row lengths, training, token ratio)
         self._peak_tflops: float | None = None
-        super().__init__(*args, **kwargs)
+
+    def _setup_profiler(self) -> None:
         if self.phase_timer.enabled:
             self.add_callback(_StepClock(self))
 
@@ -77,14 +80,14 @@ class PhaseProfilerMixin:
             self._flops_shape = ModelFlops.of(self.accelerator.unwrap_model(self.model))
         return self._flops_shape
 
-    def _count_logprob_pass(self, attention_mask: torch.Tensor, training: bool, token_ratio: float = 1.0) -> None:
-        """FLOPs (and trained tokens) of a log-prob pass over these rows. ``token_ratio`` > 1: the shared-prefix pass
-        processed that many times fewer tokens than the rows hold. The row lengths stay on the device until the
-        step ends (no device sync inside the pass)."""
+    def _count_logprob_pass(self, row_lengths: torch.Tensor, training: bool, token_ratio: float = 1.0) -> None:
+        """FLOPs (and trained tokens) of a log-prob pass over rows of these real lengths, as the pass reports them
+        (``passes.PassResult``). ``token_ratio`` > 1: the pass processed that many times fewer tokens than the rows
+        hold (a shared prefix). The lengths stay on the device until the step ends (no device sync in the pass)."""
         if not self.phase_timer.enabled:
             return
         with self._bookkeeping():
-            self._pending_passes.append((attention_mask.sum(dim=-1).detach(), training, token_ratio))
+            self._pending_passes.append((row_lengths.detach(), training, token_ratio))
 
     def _count_pending_passes(self) -> None:
         shape = self._model_flops()
@@ -108,12 +111,13 @@ class PhaseProfilerMixin:
             self.phase_timer.count("generated_tokens", sum(len(c) for c in completion_ids))
 
     # ---------------------------------------------------------------- the Trainer's loop
-    def training_step(self, *args, **kwargs):
+    @contextmanager
+    def _profiled_step(self):
+        """Around one micro-batch's training step (``TrainerFeatures.training_step``)."""
         with self.phase_timer.phase("loss_forward_backward"):
-            loss = super().training_step(*args, **kwargs)
+            yield
         if self.accelerator.sync_gradients:
             self.phase_timer.begin("optimizer")  # clipping and the step; closed by _StepClock.on_optimizer_step
-        return loss
 
     def evaluate(self, *args, **kwargs):
         # An evaluation between steps is part of no phase: everything it runs counts as "other".
@@ -137,14 +141,15 @@ class PhaseProfilerMixin:
             records, self.accelerator.num_processes, self._peak_tflops, overhead, self.accelerator.device
         )
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.phase_timer.enabled and not any(key.startswith("eval_") for key in logs):
-            extra = self._profile_metrics()
-            if self._setup_phases:
-                extra.update({f"time/{name}": seconds for name, seconds in self._setup_phases.items()})
-                self._setup_phases = {}
-            logs = {**logs, **extra}
-        super().log(logs, start_time)
+    def _profiler_log_metrics(self, logs: dict[str, float]) -> dict[str, float]:
+        """The profile of the steps since the last log (a collective: every rank logs at the same steps)."""
+        if not self.phase_timer.enabled or any(key.startswith("eval_") for key in logs):
+            return {}
+        extra = self._profile_metrics()
+        if self._setup_phases:
+            extra.update({f"time/{name}": seconds for name, seconds in self._setup_phases.items()})
+            self._setup_phases = {}
+        return extra
 
 
 class _StepClock(TrainerCallback):
@@ -173,7 +178,7 @@ class _StepClock(TrainerCallback):
         dtype = next((p.dtype for p in unwrapped.parameters() if p.requires_grad), torch.float32)
         trainer._flops_shape = ModelFlops.of(unwrapped)
         trainer._peak_tflops = device_peak_tflops(
-            trainer.accelerator.device, dtype, getattr(trainer.args, "peak_tflops", None)
+            trainer.accelerator.device, dtype, option(trainer.args, "peak_tflops")
         )
         self.step_started = trainer.phase_timer.clock()
 

@@ -30,6 +30,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils import logging
 
 from ..atomic_files import write_text_atomically
+from ..options import option
 from .checkpoint_integrity import ALGORITHM, Gather, checksum_files, damaged_files
 from .deepspeed_reshard import convert_to_universal, saved_world_size
 from .disk_space import (
@@ -46,9 +47,6 @@ logger = logging.get_logger(__name__)
 
 CHECKPOINT_COMPLETE_MARKER = "trlx_scale_checkpoint_complete.json"
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
-DEFAULT_VERIFY_CHECKPOINTS = True
-DEFAULT_SAVE_ON_PREEMPTION = True
-DEFAULT_ASYNC_CHECKPOINTS = False
 # A checkpoint's problems: one line per damaged file (empty: intact). Default: checked by this process alone.
 Verifier = Callable[[str], list[str]]
 
@@ -212,7 +210,7 @@ class AtomicCheckpointMixin:
     _last_completed: str | None = None  # the newest checkpoint this run completed
 
     def _verify_checkpoints(self) -> bool:
-        if not getattr(self.args, "verify_checkpoints", DEFAULT_VERIFY_CHECKPOINTS):
+        if not option(self.args, "verify_checkpoints"):
             return False
         if self.args.save_on_each_node:
             # Each node holds its own copy: the ranks' shares of the file list would name files of other nodes.
@@ -237,7 +235,7 @@ class AtomicCheckpointMixin:
         handler = PreemptionHandler()
         callback = PreemptionCallback(handler, self._any_rank)
         pid_file = None
-        if getattr(self.args, "save_on_preemption", DEFAULT_SAVE_ON_PREEMPTION) and handler.install():
+        if option(self.args, "save_on_preemption") and handler.install():
             self.add_callback(callback)
             if self.is_world_process_zero():
                 pid_file = write_main_pid(self.args.output_dir)
@@ -333,9 +331,7 @@ class AtomicCheckpointMixin:
             raise CheckpointDiskSpaceError(errno.ENOSPC, shortfalls[0])
 
     def _async_sharded_saves(self) -> bool:
-        return getattr(self.args, "async_checkpoints", DEFAULT_ASYNC_CHECKPOINTS) and uses_sharded_fsdp_checkpoints(
-            self
-        )
+        return option(self.args, "async_checkpoints") and uses_sharded_fsdp_checkpoints(self)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._async_sharded_saves():

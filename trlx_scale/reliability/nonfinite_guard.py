@@ -8,7 +8,7 @@ every rank takes the same decision.
 
 A skipped step drops the gradients (``optimizer.zero_grad(set_to_none=True)``), so AdamW and ``FP32MasterAdamW``
 leave every parameter, master and moment untouched (a parameter without a gradient is not stepped); the learning
-rate schedule still advances, and vLLM is not re-synced (the weights did not change). After
+rate schedule still advances, and the policy version stays, so vLLM is not re-synced (the weights did not change). After
 ``max_consecutive_skipped_steps`` skipped steps in a row training stops with ``NonFiniteTrainingError``.
 
 DeepSpeed applies its optimizer step inside ``backward``, before any hook of the trainer runs: there the guard
@@ -24,9 +24,9 @@ import torch
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-logger = logging.get_logger(__name__)
+from ..options import option
 
-DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS = 3
+logger = logging.get_logger(__name__)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -34,15 +34,15 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 class NonFiniteGuardMixin:
-    """Mixed into a trainer ahead of TRL's class (GRPO, PPO, DPO). Reads ``args.max_consecutive_skipped_steps``
-    (None or absent: the default, 3; 0: the guard is off)."""
+    """A trainer feature (``trlx_scale.trainer.features``: GRPO, PPO, DPO); ``_setup_nonfinite_guard`` runs in its
+    post-init step, ``_guard_note_loss`` after each training step, ``_guard_log_metrics`` in every log. Reads ``max_consecutive_skipped_steps``
+    (None: its default; 0: the guard is off)."""
 
     def _guard_limit(self) -> int:
-        limit = getattr(self.args, "max_consecutive_skipped_steps", DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS)
-        return DEFAULT_MAX_CONSECUTIVE_SKIPPED_STEPS if limit is None else int(limit)
+        limit = option(self.args, "max_consecutive_skipped_steps")
+        return option(None, "max_consecutive_skipped_steps") if limit is None else int(limit)
 
     def _setup_nonfinite_guard(self) -> None:
-        """Called at the end of the trainer's ``__init__``."""
         self._nonfinite_guard = {
             "window_loss_finite": True,  # every micro-batch loss of the current accumulation window was finite
             "skip": False,  # the decision for the optimizer step about to run
@@ -60,25 +60,19 @@ class NonFiniteGuardMixin:
 
     def _guard_state(self) -> dict:
         if not hasattr(self, "_nonfinite_guard"):
-            raise RuntimeError("_setup_nonfinite_guard() was not called at the end of the trainer's __init__.")
+            raise RuntimeError("_setup_nonfinite_guard() did not run: the trainer lacks TrainerFeatures' post-init.")
         return self._nonfinite_guard
 
     def _on_skipped_step(self) -> None:
         """Seam, right before the skipped optimizer step (PPO drops its critic's gradients here)."""
 
-    def _after_skipped_step(self) -> None:
-        """After the skipped step: the weights did not change, so an engine in sync before it stays in sync."""
-        if getattr(self, "_last_loaded_step", None) == self.state.global_step - 1:
-            self._last_loaded_step = self.state.global_step
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
+    def _guard_note_loss(self, loss: torch.Tensor) -> None:
+        """After each micro-batch's training step: whether its loss was finite."""
         if self._guard_limit() > 0:
             state = self._guard_state()
             # Kept as a tensor until the step's decision: no device sync per micro-batch.
             finite = torch.isfinite(loss.detach()).all()
             state["window_loss_finite"] = finite & state["window_loss_finite"]
-        return loss
 
     def _extra_gradients_finite(self) -> torch.Tensor | bool:
         """Seam: gradients stepped outside the trainer's optimizer (PPO's critic) that must be finite as well."""
@@ -126,10 +120,10 @@ class NonFiniteGuardMixin:
         """Optimizer steps skipped by the guard so far in this run."""
         return self._guard_state()["skipped_total"]
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+    def _guard_log_metrics(self, logs: dict[str, float]) -> dict[str, float]:
         if self._guard_limit() > 0 and "loss" in logs:  # training logs (evaluation logs have eval_loss)
-            logs["reliability/skipped_steps"] = float(self._guard_state()["skipped_total"])
-        super().log(logs, start_time)
+            return {"reliability/skipped_steps": float(self._guard_state()["skipped_total"])}
+        return {}
 
 
 class _DropGradientsOfSkippedStep(TrainerCallback):
@@ -147,5 +141,5 @@ class _DropGradientsOfSkippedStep(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self._trainer()
         if trainer is not None and trainer._guard_state()["skip"]:
+            # The weights did not change: the policy version stays (rollout.policy_version), so does the engine.
             trainer._guard_state()["skip"] = False
-            trainer._after_skipped_step()

@@ -54,11 +54,16 @@ def _plot_reward(plt, history: RunHistory, path: str) -> None:
         axis.set_xlabel("step")
         axis.set_ylabel(key, color="tab:blue")
     before, after = history.summary.get("accuracy_before"), history.summary.get("accuracy_after")
-    if before is not None and after is not None and history.entries:
-        last = history.entries[-1]["step"]
+    # The held-out accuracy measured during the run (step, accuracy), before and after included; older summaries
+    # only have the two ends.
+    curve = [tuple(point) for point in history.summary.get("accuracy_curve") or []]
+    if not curve and before is not None and after is not None and history.entries:
+        curve = [(0, before), (history.entries[-1]["step"], after)]
+    if curve:
         accuracy = axis.twinx()
-        accuracy.plot([0, last], [100 * before, 100 * after], "o--", color="tab:green", label="held-out accuracy")
-        for step, value in ((0, before), (last, after)):
+        steps, values = zip(*curve, strict=True)
+        accuracy.plot(steps, [100 * v for v in values], "o--", color="tab:green", label="held-out accuracy")
+        for step, value in (curve[0], curve[-1]):
             accuracy.annotate(f"{100 * value:.1f}%", (step, 100 * value), textcoords="offset points", xytext=(4, 6))
         accuracy.set_ylabel("held-out accuracy (%)", color="tab:green")
     axis.set_title("Reward and held-out accuracy")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from datasets import load_dataset
+from transformers import TrainerCallback
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl.models import unwrap_model_for_generation
 
@@ -49,6 +50,14 @@ class TaskScriptArguments(ScriptArguments):
     )
     eval_max_new_tokens: int = field(
         default=8, metadata={"help": "Tokens generated per held-out prompt when measuring accuracy."}
+    )
+    eval_every_steps: int = field(
+        default=50,
+        metadata={
+            "help": "Also score the held-out prompts every N optimizer steps during training, for the accuracy curve "
+            "of the report (greedy decoding with the random state kept: the training is the same). 0: only before "
+            "and after."
+        },
     )
 
 
@@ -131,6 +140,37 @@ def held_out_accuracy(trainer, held_out, answer_column: str, max_new_tokens: int
             max_new_tokens=max_new_tokens,
             progress=trainer.accelerator.is_main_process and not trainer.args.disable_tqdm,
         )
+
+
+class HeldOutAccuracyCurve(TrainerCallback):
+    """Scores the held-out prompts every ``every`` optimizer steps (not at the last one: the run's "after" is).
+
+    Every process takes part (under ZeRO-3 the generation gathers the weights). The random state of torch (CPU and
+    the accelerator) is restored afterwards, so the run trains exactly as it would without the curve; the time it
+    takes is kept out of the summary's training time (``seconds``); the profiler counts it in the next step's
+    ``time/other``, as it counts any evaluation between steps."""
+
+    def __init__(self, accuracy: Callable[[], float | None], every: int):
+        if every < 0:
+            raise ValueError(f"--eval_every_steps must be >= 0 (0: only before and after), got {every}.")
+        self._accuracy, self.every = accuracy, every
+        self.points: list[tuple[int, float]] = []
+        self.seconds = 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if self.every == 0 or step % self.every != 0 or step >= state.max_steps:
+            return
+        start = time.perf_counter()
+        with torch.random.fork_rng(devices=_rng_devices()):
+            value = self._accuracy()
+        self.seconds += time.perf_counter() - start
+        if value is not None:
+            self.points.append((step, value))
+
+
+def _rng_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
 def finish_run(trainer, summary: RunSummary, output_dir: str, dataset_label: str, push_to_hub: bool) -> dict:
@@ -266,10 +306,16 @@ def run_example(example: Example, argv: list[str] | None = None) -> dict:
 
     summary = RunSummary(model=model_args.model_name_or_path, world_size=trainer.accelerator.num_processes)
     summary.accuracy_before = accuracy()
+    curve = HeldOutAccuracyCurve(accuracy, script_args.eval_every_steps)
+    if summary.accuracy_before is not None:
+        trainer.add_callback(curve)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume_argument(config.resume_from_checkpoint))
-    summary.train_seconds = time.perf_counter() - start
+    summary.train_seconds = time.perf_counter() - start - curve.seconds
     summary.accuracy_after = accuracy()
+    if summary.accuracy_before is not None:
+        summary.accuracy_curve = [(0, summary.accuracy_before), *curve.points]
+        summary.accuracy_curve.append((trainer.state.global_step, summary.accuracy_after))
     summary.read_log_history(trainer.state.log_history, trainer.state.global_step, reward_key=example.reward_key)
     dataset_label = script_args.dataset_name or "trlx_scale/addition"
     return finish_run(trainer, summary, config.output_dir, dataset_label, config.push_to_hub)

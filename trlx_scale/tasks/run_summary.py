@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..atomic_files import write_text_atomically
 
@@ -16,6 +16,8 @@ class RunSummary:
     train_seconds: float = 0.0
     accuracy_before: float | None = None
     accuracy_after: float | None = None
+    # (step, held-out accuracy) measured during the run, before (step 0) and after included: the report's curve.
+    accuracy_curve: list[tuple[int, float]] = field(default_factory=list)
     reward_first: float | None = None
     reward_last: float | None = None
     sync_logprob_gap_max: float | None = None

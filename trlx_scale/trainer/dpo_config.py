@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from trl import DPOConfig as TRLDPOConfig
 
+from ..generation.engine_fields import ColocatedEngineFields
+from ..options import registers_options
 from .shared_fields import (
-    ColocatedEngineFields,
     HubFields,
     OptimizerPresetFields,
     ProfilingFields,
@@ -15,6 +16,7 @@ from .shared_fields import (
 )
 
 
+@registers_options(derived={"uses_engine": False})
 @dataclass
 class DPOConfig(
     ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields, HubFields, TRLDPOConfig

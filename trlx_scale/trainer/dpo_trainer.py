@@ -3,7 +3,8 @@
 Same constructor (plus an optional ``reward_funcs`` for online DPO), same behaviour while no trlx_scale option is on.
 What it adds:
 
-- ``optim_preset`` / ``fp32_master_weights`` (shared with GRPO: ``MasterWeightsMixin``);
+- the features of every trlx_scale trainer (``TrainerFeatures``: profiler, non-finite guard, policy version, atomic
+  checkpoints, Hub push, planned memory, ``optim_preset`` / ``fp32_master_weights``);
 - the reference of a LoRA policy is the base with the adapter disabled, so no second model is loaded (TRL's own
   behaviour when ``ref_model`` is None; kept and tested);
 - ``vllm_ref_log_probs``: reference log-probs of the whole dataset computed once by the colocated vLLM engine
@@ -15,7 +16,6 @@ What it adds:
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
 import time
@@ -26,7 +26,6 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset, IterableDataset
 from tqdm.auto import tqdm
-from transformers import Trainer
 from transformers.utils import logging
 from trl import DPOTrainer as TRLDPOTrainer
 from trl.data_utils import is_conversational
@@ -34,14 +33,13 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from ..atomic_files import write_text_atomically
 from ..compat.vllm_cpu_lora_scoring import scoring_sync_mode
-from ..generation.colocated_generation import ColocatedVLLMGeneration
-from ..generation.cpu_environment import configure_vllm_cpu_environment
-from ..generation.weight_sync import is_peft_model
-from ..hub.push import HubPushMixin
+from ..dpo.online_pair_balance import balance_pairs, check_multi_process_online_loss, tie_pair_loss
+from ..dpo.preference_pairs import best_worst_pairs, completion_logprob_sums
+from ..generation.cpu_environment import configure_vllm_cpu_environment, running_on_cpu_only
+from ..generation.engine import RolloutEngine, build_engine
 from ..hub.secrets import check_tracker_uploads
-from ..planning.trainer_memory import PlannedMemoryMixin
-from ..profiling.trainer_profiling import PhaseProfilerMixin
-from ..reliability.checkpoints import AtomicCheckpointMixin
+from ..options import option
+from ..peft_models import is_peft_model
 from ..reliability.input_checks import (
     DPO_COLUMNS,
     ONLINE_DPO_COLUMNS,
@@ -49,12 +47,10 @@ from ..reliability.input_checks import (
     check_launch_matches,
     check_train_dataset,
 )
-from ..reliability.nonfinite_guard import NonFiniteGuardMixin
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from .dpo_config import DPOConfig
-from .master_weights_setup import MasterWeightsMixin
-from .online_pair_balance import balance_pairs, check_multi_process_online_loss, tie_pair_loss
-from .preference_pairs import best_worst_pairs, completion_logprob_sums
+from .features import TrainerFeatures
+from .grpo_trainer import _policy_version_of
 
 if TYPE_CHECKING:
     from datasets import DatasetDict, IterableDatasetDict
@@ -75,15 +71,7 @@ logger = logging.get_logger(__name__)
 REF_SCORING_CHUNK = 512
 
 
-class DPOTrainer(
-    PhaseProfilerMixin,
-    NonFiniteGuardMixin,
-    AtomicCheckpointMixin,
-    HubPushMixin,
-    PlannedMemoryMixin,
-    MasterWeightsMixin,
-    TRLDPOTrainer,
-):
+class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
     """Direct Preference Optimization, as [`trl.DPOTrainer`], with trlx_scale's options.
 
     The constructor takes TRL's arguments in TRL's order (a contract test compares the signatures) and one more,
@@ -118,14 +106,14 @@ class DPOTrainer(
         if args is not None:
             check_launch_matches(args)
             check_tracker_uploads(args)
-        ours = isinstance(args, DPOConfig)
-        self._online = ours and args.online
+        self._online = option(args, "online")
         needs = ONLINE_DPO_COLUMNS if self._online else DPO_COLUMNS
         check_dataset_columns(train_dataset, needs, type(self).__name__ + (" (online)" if self._online else ""))
         check_dataset_columns(eval_dataset, DPO_COLUMNS, type(self).__name__, "eval_dataset")
-        self._vllm_ref = ours and args.vllm_ref_log_probs
-        self._engine: ColocatedVLLMGeneration | None = None  # built on first use (TRL's __init__ may need it)
-        self._last_synced_step = -1
+        self._vllm_ref = option(args, "vllm_ref_log_probs")
+        self._engine: RolloutEngine | None = None  # built on first use (TRL's __init__ may need it)
+        # Online DPO's loss rescaling of the micro-batch in progress (set and reset around it: _training_step).
+        self._online_loss_scale, self._online_loss_offset = 1.0, 0.0
         reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs or [])
         if self._online and not reward_funcs:
             raise ValueError("online=True ranks sampled completions with reward_funcs: pass reward_funcs=[...].")
@@ -136,8 +124,8 @@ class DPOTrainer(
             )
         if reward_funcs and not self._online:
             raise ValueError("reward_funcs is used by online DPO only: set online=True in DPOConfig or drop them.")
-        self.reward_funcs = guard_reward_functions(reward_funcs, args.reward_errors if ours else "raise")
-        if ours and args.uses_engine:
+        self.reward_funcs = guard_reward_functions(reward_funcs, option(args, "reward_errors"))
+        if option(args, "uses_engine"):
             configure_vllm_cpu_environment(args.vllm_cpu_kvcache_space)
         if self._online:
             # Prompt-only rows reach training_step untouched (the reward functions read their extra columns); set
@@ -168,12 +156,10 @@ class DPOTrainer(
                 truncation_mode=args.truncation_mode,
                 pad_to_multiple_of=args.pad_to_multiple_of,
             )
-        self._setup_master_weights()
-        self._setup_nonfinite_guard()
 
     # ------------------------------------------------------------------ engine
 
-    def _colocated_engine(self) -> ColocatedVLLMGeneration:
+    def _colocated_engine(self) -> RolloutEngine:
         if self._engine is None:
             args = self.args
             # Sequences longer than the model's positions are truncated by max_length already; the engine may not
@@ -184,11 +170,13 @@ class DPOTrainer(
                 max_model_length = min(max_model_length, limit)
             per_step = args.per_device_train_batch_size * args.online_num_generations
             max_num_seqs = per_step if self._online else 256
-            self._engine = ColocatedVLLMGeneration.from_config(
+            self._engine = build_engine(
                 args,
                 model=self.model,
                 accelerator=self.accelerator,
                 processing_class=self.processing_class,
+                policy_version=_policy_version_of(self),
+                phase_timer=self.phase_timer,  # its weight syncs are their own phase
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 max_model_length=max_model_length,
                 max_num_seqs=max_num_seqs,
@@ -199,9 +187,10 @@ class DPOTrainer(
                 logprobs=0,
                 # Reference scoring needs prompt_logprobs, which a LoRA-enabled engine cannot do on every stack
                 # (compat/vllm_cpu_lora_scoring.py); online rounds sample, and keep LoRA-only sync.
-                sync_mode=args.vllm_sync_mode if self._online else scoring_sync_mode(args.vllm_sync_mode),
+                sync_mode=args.vllm_sync_mode
+                if self._online
+                else scoring_sync_mode(args.vllm_sync_mode, running_on_cpu_only()),
             )
-            self._engine.phase_timer = self.phase_timer  # its weight syncs are their own phase
         return self._engine
 
     # ------------------------------------------------------------------ reference log-probs from vLLM
@@ -242,7 +231,7 @@ class DPOTrainer(
                 "reference; set vllm_ref_log_probs=False to use TRL's reference pass."
             )
         engine = self._colocated_engine()
-        engine.sync_weights()  # the engine now holds the trainer's weights as they are before any update
+        engine.ensure_version(self.policy_version)  # the trainer's weights as they are before any update
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         mine = list(range(rank, len(dataset), world))
         chosen, rejected = [], []
@@ -292,16 +281,14 @@ class DPOTrainer(
 
         return dataset.map(tokenize, desc=f"Tokenizing {dataset_name} prompts")
 
-    def training_step(self, *args, **kwargs):
-        # TRL's signature, which forwards to transformers' (model, inputs, num_items_in_batch).
+    def _training_step(self, model, inputs, num_items_in_batch=None):
+        # Inside TrainerFeatures.training_step: profiled and guarded on every path, the batch without pairs included.
         if not self._online:
-            return super().training_step(*args, **kwargs)
-        arguments = inspect.signature(Trainer.training_step).bind(self, *args, **kwargs).arguments
-        model, examples = arguments["model"], arguments["inputs"]
-        pairs = self._online_round(examples)
+            return super()._training_step(model, inputs, num_items_in_batch)
+        pairs = self._online_round(inputs)
         if self.accelerator.num_processes > 1:
             # Equal numbers of pairs on every rank (TRL's loss gathers per-pair tensors); the loss is rescaled so
-            # the gradient stays the mean over the step's real pairs (online_pair_balance.py).
+            # the gradient stays the mean over the step's real pairs (dpo/online_pair_balance.py).
             balanced = balance_pairs(
                 gather_object(pairs), self.accelerator.process_index, self.accelerator.num_processes
             )
@@ -317,23 +304,23 @@ class DPOTrainer(
             loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
             self.accelerator.backward(loss)
             return loss.detach()
-        arguments.pop("self")
-        arguments["inputs"] = self._pair_collator(pairs)
         try:
-            return super().training_step(**arguments)
+            return super()._training_step(model, self._pair_collator(pairs), num_items_in_batch)
         finally:
             self._online_loss_scale, self._online_loss_offset = 1.0, 0.0
 
     def _compute_loss(self, model, inputs, return_outputs):
         if torch.is_grad_enabled():  # a training pass: the policy's forward+backward, the reference's forward
-            self._count_logprob_pass(inputs["attention_mask"], training=True)
+            # TRL's padded pass over the pairs: each row's real tokens.
+            row_lengths = inputs["attention_mask"].sum(dim=-1)
+            self._count_logprob_pass(row_lengths, training=True)
             if not self.precompute_ref_logps:
-                self._count_logprob_pass(inputs["attention_mask"], training=False)
+                self._count_logprob_pass(row_lengths, training=False)
         result = super()._compute_loss(model, inputs, return_outputs)
-        scale = getattr(self, "_online_loss_scale", 1.0)
+        scale = self._online_loss_scale
         if scale == 1.0:
             return result
-        offset = getattr(self, "_online_loss_offset", 0.0)  # the tie pairs' constant: no gradient, not logged
+        offset = self._online_loss_offset  # the tie pairs' constant: no gradient, not logged
         if return_outputs:
             return result[0] * scale - offset, result[1]
         return result * scale - offset
@@ -374,10 +361,7 @@ class DPOTrainer(
     def _online_round(self, examples: list[dict[str, Any]]) -> list[dict[str, list[int]]]:
         """Sample, score and pair one batch of prompts with the current policy."""
         args = self.args
-        engine = self._colocated_engine()
-        if self.state.global_step != self._last_synced_step:
-            engine.sync_weights()  # LoRA-only where possible: the policy's adapter after the last update
-            self._last_synced_step = self.state.global_step
+        engine = self._colocated_engine()  # it serves the current policy version (LoRA-only sync where possible)
         group = args.online_num_generations
         prompt_ids = [example["prompt_ids"] for example in examples]
         repeated = [ids for ids in prompt_ids for _ in range(group)]

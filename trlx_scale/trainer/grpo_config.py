@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig as TRLGRPOConfig
 
+from ..generation.engine_fields import ColocatedEngineFields
 from ..losses.policy_losses import LEVELS
 from ..losses.recipes import LENGTH_WEIGHTED_LOSSES, RECIPES, apply_recipe
+from ..options import registers_options
 from .shared_fields import (
-    ColocatedEngineFields,
     HubFields,
     OptimizerPresetFields,
     ProfilingFields,
@@ -17,6 +18,7 @@ from .shared_fields import (
 )
 
 
+@registers_options()
 @dataclass
 class GRPOConfig(
     ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields, HubFields, TRLGRPOConfig
@@ -72,7 +74,7 @@ class GRPOConfig(
             "with the weights that generated the batch, so its detached log-probs are the old-policy log-probs. "
             "True: skip TRL's separate old-policy pass over the batch and compute the correction and its sampling/* "
             "metrics in the loss pass (the same quantities up to float rounding; one forward pass less per "
-            "generation: a 1.16-1.30x faster step in benchmarks/grpo_step.py). False: TRL's extra pass. Unaligned "
+            "generation: a faster step, measured in docs/benchmarks.md). False: TRL's extra pass. Unaligned "
             "runs, and PPO (its rollout needs the old log-probs for the KL rewards), always take TRL's pass.",
         },
     )

@@ -1,9 +1,15 @@
 """``GRPOTrainer``: a drop-in subclass of ``trl.GRPOTrainer``.
 
-Same constructor, same behaviour, while no trlx_scale option is on. The systems features live in components and
-are wired in here: the colocated vLLM engine (``trlx_scale.generation``: lifecycle, LoRA-only sync, grouped
-generation, metrics), the optimizer presets with fp32 master weights (``trlx_scale.optim``), GSPO importance
-ratios (``trlx_scale.losses``) and the shared-prefix log-prob pass (``trlx_scale.prefix.shared_prefix``).
+Same constructor, same behaviour, while no trlx_scale option is on (the defaults that differ from TRL's, and why,
+are listed in docs/configuration.md). The rollout path:
+
+    engine (``generation.engine.RolloutEngine``: generate, at the trainer's policy version)
+    -> ``rollout.RolloutBatch`` (TRL's rewards and advantages, then ``_finish_rollout``: PPO's values and GAE)
+    -> log-prob pass (``passes``: padded or shared prefix, chosen once per run)
+    -> TRL's loss (GSPO ratios from ``losses``; vLLM's correction from the loss pass)
+
+The cross-cutting features (profiler, non-finite guard, policy version, atomic checkpoints, Hub push, planned
+memory, fp32 masters) come from ``TrainerFeatures`` (``trainer/features.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,30 +28,22 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
 from ..compat import old_logprob_pass
-from ..generation.colocated_generation import ColocatedVLLMGeneration
 from ..generation.cpu_environment import configure_vllm_cpu_environment
-from ..generation.weight_sync import is_peft_model
-from ..hub.push import HubPushMixin
+from ..generation.engine import RolloutEngine, build_engine
 from ..hub.secrets import check_tracker_uploads
 from ..losses.policy_losses import log_importance_weights
 from ..losses.vllm_importance_sampling import importance_sampling_statistics, vllm_importance_sampling_ratio
 from ..optim.optimizer_offload import OptimizerStateOffloader
-from ..planning.trainer_memory import PlannedMemoryMixin
-from ..prefix.shared_prefix import (
-    all_ranks_can_share,
-    can_share_prefix,
-    shared_prefix_logps,
-    shared_token_ratio,
-    unsupported_reason,
-)
-from ..profiling.trainer_profiling import PhaseProfilerMixin
-from ..reliability.checkpoints import AtomicCheckpointMixin, checkpoint_world_size
+from ..options import option
+from ..passes import LogProbPass, PaddedPass, PassResult, SharedPrefixPass
+from ..passes.shared_prefix import all_ranks_can_share, unsupported_reason
+from ..peft_models import is_peft_model
+from ..reliability.checkpoints import checkpoint_world_size
 from ..reliability.input_checks import GRPO_COLUMNS, check_dataset_columns, check_launch_matches, check_train_dataset
-from ..reliability.nonfinite_guard import NonFiniteGuardMixin
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
+from ..rollout.batch import RolloutBatch
+from .features import TrainerFeatures
 from .grpo_config import GRPOConfig
-from .master_weights_setup import MasterWeightsMixin
-from .shared_fields import option
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -62,15 +61,7 @@ logger = logging.get_logger(__name__)
 ROLLOUT_STATE_NAME = "rollout_state_rank{}.pt"
 
 
-class GRPOTrainer(
-    PhaseProfilerMixin,
-    NonFiniteGuardMixin,
-    AtomicCheckpointMixin,
-    HubPushMixin,
-    PlannedMemoryMixin,
-    MasterWeightsMixin,
-    TRLGRPOTrainer,
-):
+class GRPOTrainer(TrainerFeatures, TRLGRPOTrainer):
     """Group Relative Policy Optimization, as [`trl.GRPOTrainer`], with trlx_scale's scaling features.
 
     The constructor mirrors TRL's argument for argument (a contract test compares the signatures), so a script
@@ -104,13 +95,14 @@ class GRPOTrainer(
     ):
         colocate = args is not None and args.use_vllm and args.vllm_mode == "colocate"
         if colocate:
-            configure_vllm_cpu_environment(option(args, GRPOConfig, "vllm_cpu_kvcache_space"))
+            configure_vllm_cpu_environment(option(args, "vllm_cpu_kvcache_space"))
             # TRL creates its own engine eagerly in __init__ and two engines must never start: TRL is handed a copy
             # of the config that says use_vllm=False (the caller's object is never changed), and our engine is
             # built right after (see _build_colocated_engine).
             args = copy.copy(args)
             args.use_vllm = False
-        self._loss_pass_inputs = None  # the batch of the loss pass in progress (see _compute_loss)
+        self._loss_pass_inputs = None  # the micro-batch of the _compute_loss call in progress (see there)
+        self._rollout_rewards = None  # the rewards of the _generate_and_score_completions call in progress
         check_train_dataset(train_dataset)
         check_dataset_columns(train_dataset, GRPO_COLUMNS, type(self).__name__)
         check_dataset_columns(eval_dataset, GRPO_COLUMNS, type(self).__name__, "eval_dataset")
@@ -118,7 +110,7 @@ class GRPOTrainer(
             check_launch_matches(args)
             check_tracker_uploads(args)
         # Each synchronous reward function reports its failures on every rank (trlx_scale.reliability).
-        reward_funcs = guard_reward_functions(reward_funcs, option(args, GRPOConfig, "reward_errors"))
+        reward_funcs = guard_reward_functions(reward_funcs, option(args, "reward_errors"))
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
@@ -137,22 +129,22 @@ class GRPOTrainer(
         )
         # GSPO-token runs through TRL's "token" branch: its weights come from the loss pass's log-probs, shifted in
         # _postprocess_loss_logps (TRL reads this attribute only in _compute_loss; pinned by a contract test).
-        self.sequence_token_ratios = self.importance_sampling_level == "sequence_token"
-        if self.sequence_token_ratios:
+        self.uses_sequence_token_ratios = self.importance_sampling_level == "sequence_token"
+        if self.uses_sequence_token_ratios:
             self.importance_sampling_level = "token"
-        self._setup_master_weights()
-        self._setup_nonfinite_guard()
         if colocate:
             self.args.use_vllm = True  # our copy: this run does generate with vLLM
             self.use_vllm = True
             self._check_vllm_only_options()
             self.vllm_generation = self._build_colocated_engine()
-            self.vllm_generation.phase_timer = self.phase_timer  # its weight syncs are their own phase
-            self._last_loaded_step = -1  # TRL's tag: sync once per optimizer step, not per micro-batch
+            # TRL's _generate_single_turn reads its own tag before calling sync_weights; the engine's sync is the
+            # version comparison (ensure_version), so TRL's tag only saves a call per micro-batch.
+            self._last_loaded_step = -1
 
     def _compute_loss(self, model, inputs):
         # TRL computes the loss pass's log-probs inside _compute_loss and forms the ratios inline; the batch rides
         # along so that _postprocess_loss_logps (the seam subclasses override) sees it.
+        # The attribute lives for this call only (the pass runs inside it), so no TRL call order is assumed.
         self._loss_pass_inputs = inputs
         try:
             return super()._compute_loss(model, inputs)
@@ -167,7 +159,7 @@ class GRPOTrainer(
         config allows this level only with loss_type="grpo", beta=0 and no off-policy mask, where the log-probs feed
         nothing but that difference.
         """
-        if not self.sequence_token_ratios:
+        if not self.uses_sequence_token_ratios:
             return logps
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
@@ -184,23 +176,36 @@ class GRPOTrainer(
         with self.phase_timer.phase("reward"):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
             skipped = raise_reward_errors(self.reward_funcs, self.accelerator)  # the same error on every rank
-        if option(self.args, GRPOConfig, "reward_errors") == "skip":
+        if option(self.args, "reward_errors") == "skip":
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["reliability/reward_errors"].append(float(skipped))
-        # TRL turns these into advantages inside _generate_and_score_completions and returns only those; kept for
-        # _score_rollout, which runs as soon as that call returns.
-        self._rollout_rewards_per_func = rewards_per_func
+        # TRL turns these into advantages inside _generate_and_score_completions and returns only those: they join
+        # the RolloutBatch that call produces (the attribute lives for that call only).
+        self._rollout_rewards = rewards_per_func
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        if self._defers_old_logprobs():
-            # TRL's separate old-policy pass is skipped; the loss pass fills the correction (_deferred_correction).
-            with old_logprob_pass.old_logprob_pass_skipped(self):
+        version = self.policy_version  # the engine serves it for this rollout (ensure_version)
+        self._rollout_rewards = None
+        try:
+            if self._defers_old_logprobs():
+                # TRL's separate old-policy pass is skipped; the loss pass fills the correction (_deferred_correction).
+                with old_logprob_pass.old_logprob_pass_skipped(self):
+                    output = super()._generate_and_score_completions(inputs)
+            else:
                 output = super()._generate_and_score_completions(inputs)
-        else:
-            output = super()._generate_and_score_completions(inputs)
-        rewards_per_func, self._rollout_rewards_per_func = self._rollout_rewards_per_func, None
-        return self._score_rollout(output, rewards_per_func)
+            rewards_per_func = self._rollout_rewards
+        finally:
+            self._rollout_rewards = None
+        if rewards_per_func is None:
+            raise RuntimeError("TRL's rollout returned without computing rewards (_calculate_rewards was not called).")
+        batch = RolloutBatch.from_trl(
+            output,
+            rewards_per_func=rewards_per_func,
+            policy_version=version,
+            process_index=self.accelerator.process_index,
+        )
+        return self._finish_rollout(batch).to_trl()
 
     def _defers_old_logprobs(self) -> bool:
         """Seam: whether vLLM's importance-sampling correction comes from the loss pass instead of TRL's separate
@@ -209,7 +214,7 @@ class GRPOTrainer(
         old ones itself, without vLLM). PPO needs its old log-probs in the rollout (KL rewards) and overrides this."""
         if not (self.use_vllm and self.vllm_importance_sampling_correction and old_logprob_pass.supported()):
             return False
-        if not option(self.args, GRPOConfig, "old_logprobs_from_loss_pass"):
+        if not option(self.args, "old_logprobs_from_loss_pass"):
             return False
         generate_every = self.args.steps_per_generation * self.num_iterations
         return self.args.gradient_accumulation_steps % generate_every == 0
@@ -240,10 +245,10 @@ class GRPOTrainer(
         metrics["sampling/importance_sampling_ratio/mean"].append(per_rank["ratio_mean"].nanmean().item())
         metrics["sampling/importance_sampling_ratio/max"].append(nanmax(per_rank["ratio_max"]).item())
 
-    def _score_rollout(self, output: dict, rewards_per_func: torch.Tensor) -> dict:
-        """Seam: a subclass adds its own per-rollout quantities to TRL's batch (PPO: KL-penalized rewards, values,
-        GAE advantages). ``rewards_per_func``: (rows of all processes, reward functions), as TRL gathered them."""
-        return output
+    def _finish_rollout(self, batch: RolloutBatch) -> RolloutBatch:
+        """Seam: an algorithm adds its own per-rollout quantities to the batch TRL scored (PPO: KL-penalized rewards,
+        values, GAE advantages; the RLOO example of docs/contributing.md: leave-one-out advantages)."""
+        return batch
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -265,14 +270,23 @@ class GRPOTrainer(
         mm_token_type_ids=None,
         image_position_ids=None,
     ):
-        mm_inputs = (pixel_values, image_grid_thw, num_images, pixel_attention_mask, spatial_shapes, num_tiles)
-        mm_inputs += (image_sizes, token_type_ids, mm_token_type_ids, image_position_ids)
+        extra_inputs = dict(
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            num_images=num_images,
+            pixel_attention_mask=pixel_attention_mask,
+            spatial_shapes=spatial_shapes,
+            num_tiles=num_tiles,
+            image_sizes=image_sizes,
+            token_type_ids=token_type_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_position_ids=image_position_ids,
+        )
         training = torch.is_grad_enabled()
         # A no-grad pass is a rollout's old-policy or reference pass (the loss pass's time is its own phase).
         name = "ref_logprobs" if not training and self._is_reference_pass(model) else "old_logprobs"
-        self._pass_token_ratio = 1.0
         with self.phase_timer.phase(name) if not training else contextlib.nullcontext():
-            result = self._logps_and_entropies_pass(
+            result = self._choose_logprob_pass(model, compute_aux_loss, extra_inputs).run(
                 model,
                 input_ids,
                 attention_mask,
@@ -280,10 +294,40 @@ class GRPOTrainer(
                 batch_size,
                 compute_entropy,
                 compute_aux_loss,
-                mm_inputs,
+                extra_inputs,
             )
-        self._count_logprob_pass(attention_mask, training=training, token_ratio=self._pass_token_ratio)
-        return result
+        self._record_pass(result, training)
+        logps = result.logps
+        if self._loss_pass_inputs is not None:
+            self._deferred_correction(logps, self._loss_pass_inputs)  # from the raw log-probs, before any seam
+            logps = self._postprocess_loss_logps(logps, self._loss_pass_inputs)
+        return logps, result.entropies, result.aux_loss
+
+    def _choose_logprob_pass(self, model, compute_aux_loss: bool, extra_inputs: dict) -> LogProbPass:
+        """The pass for this batch: the run's choice (``shared_prefix``, decided once at the first pass), except that
+        a batch with a router loss or image inputs takes the padded pass (both cover the prompt tokens).
+
+        Built per call, never kept on the trainer: a pass holds the trainer's bound methods, and a trainer -> pass ->
+        trainer cycle would leave a finished trainer's engine to the cyclic garbage collector (see profiling's
+        _StepClock)."""
+        padded = PaddedPass(super()._get_per_token_logps_and_entropies)
+        if compute_aux_loss or any(value is not None for value in extra_inputs.values()):
+            return padded
+        if not self._shared_prefix_enabled(model):
+            return padded
+        return SharedPrefixPass(
+            padded,
+            agree=self._all_ranks_can_share,
+            autocast=self.accelerator.autocast,
+            inner_model=self.accelerator.unwrap_model(model),
+        )
+
+    def _record_pass(self, result: PassResult, training: bool) -> None:
+        """The profiler's count (from what the pass processed) and the shared-prefix metric."""
+        self._count_logprob_pass(result.row_lengths, training=training, token_ratio=result.token_ratio)
+        if result.chunk_token_ratios:
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["shared_prefix/token_ratio"].extend(result.chunk_token_ratios)
 
     def _is_reference_pass(self, model) -> bool:
         """The reference model, or a LoRA policy with its adapters off / its 'ref' adapter on (TRL's reference)."""
@@ -297,54 +341,10 @@ class GRPOTrainer(
         lora_layer = next((m for m in unwrapped.modules() if hasattr(m, "lora_A")), None)
         return bool(getattr(lora_layer, "disable_adapters", False))
 
-    def _logps_and_entropies_pass(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size,
-        compute_entropy,
-        compute_aux_loss,
-        mm_inputs,
-    ):
-        (pixel_values, image_grid_thw, num_images, pixel_attention_mask, spatial_shapes, num_tiles) = mm_inputs[:6]
-        (image_sizes, token_type_ids, mm_token_type_ids, image_position_ids) = mm_inputs[6:]
-        # The router load-balancing loss and image inputs cover the prompt tokens: those batches take TRL's pass.
-        if not compute_aux_loss and all(x is None for x in mm_inputs) and self._shared_prefix_enabled(model):
-            logps, entropies = self._shared_prefix_logps(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy
-            )
-            aux_loss = None
-        else:
-            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size=batch_size,
-                compute_entropy=compute_entropy,
-                compute_aux_loss=compute_aux_loss,
-                pixel_values=pixel_values,
-                image_grid_thw=image_grid_thw,
-                num_images=num_images,
-                pixel_attention_mask=pixel_attention_mask,
-                spatial_shapes=spatial_shapes,
-                num_tiles=num_tiles,
-                image_sizes=image_sizes,
-                token_type_ids=token_type_ids,
-                mm_token_type_ids=mm_token_type_ids,
-                image_position_ids=image_position_ids,
-            )
-        if self._loss_pass_inputs is not None:
-            self._deferred_correction(logps, self._loss_pass_inputs)  # from the raw log-probs, before any seam
-            logps = self._postprocess_loss_logps(logps, self._loss_pass_inputs)
-        return logps, entropies, aux_loss
-
     def _shared_prefix_enabled(self, model) -> bool:
         """Resolve `shared_prefix` once, at the first pass (gradient checkpointing is switched on by then)."""
         if getattr(self, "_shared_prefix_decision", None) is None:
-            setting = option(self.args, GRPOConfig, "shared_prefix")
+            setting = option(self.args, "shared_prefix")
             reason = None
             if setting != "false":
                 reason = self._shared_prefix_blocker(model, auto=setting == "auto")
@@ -386,35 +386,6 @@ class GRPOTrainer(
         sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
         return all_ranks_can_share(local, sharded, device=self.accelerator.device)
 
-    def _shared_prefix_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
-        """TRL's chunked pass, with each chunk's prompts shared; chunks without a repeated prompt take TRL's path."""
-        batch_size = batch_size or input_ids.size(0)
-        inner = self.accelerator.unwrap_model(model)
-        all_logps, all_entropies = [], []
-        rows_tokens = processed_tokens = 0.0
-        for start in range(0, input_ids.size(0), batch_size):
-            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-            shared = None
-            if self._all_ranks_can_share(can_share_prefix(ids, mask, logits_to_keep)):
-                with self.accelerator.autocast():
-                    shared = shared_prefix_logps(model, ids, mask, logits_to_keep, compute_entropy, inner_model=inner)
-            used = shared is not None
-            if not used:
-                logps, entropies, _ = super()._get_per_token_logps_and_entropies(
-                    model, ids, mask, logits_to_keep, compute_entropy=compute_entropy
-                )
-                shared = (logps, entropies)
-            mode = "train" if self.model.training else "eval"
-            # Tokens TRL's pass would process over tokens this one did: how much the sharing pays.
-            ratio = shared_token_ratio(ids, mask, logits_to_keep) if used else 1.0
-            self._metrics[mode]["shared_prefix/token_ratio"].append(ratio)
-            rows_tokens += float(mask.sum())
-            processed_tokens += float(mask.sum()) / ratio
-            all_logps.append(shared[0])
-            all_entropies.append(shared[1])
-        self._pass_token_ratio = rows_tokens / max(processed_tokens, 1.0)  # for the FLOPs count (profiling)
-        return torch.cat(all_logps), torch.cat(all_entropies) if compute_entropy else None
-
     def _check_vllm_only_options(self) -> None:
         """The checks TRL's __init__ runs only when use_vllm is on (it saw it off); kept in step by a contract test."""
         if self.loss_type == "vespo" and self.vllm_importance_sampling_correction:
@@ -424,14 +395,16 @@ class GRPOTrainer(
                     f"'token_mask'. Got: {self.vllm_importance_sampling_mode}."
                 )
 
-    def _build_colocated_engine(self) -> ColocatedVLLMGeneration:
+    def _build_colocated_engine(self) -> RolloutEngine:
         """The colocated engine, configured from TRL's GRPO fields as TRL configures its own, plus trlx_scale's."""
         args = self.args
-        return ColocatedVLLMGeneration.from_config(
+        return build_engine(
             args,
             model=self.model,
             accelerator=self.accelerator,
             processing_class=self.processing_class,
+            policy_version=_policy_version_of(self),
+            phase_timer=self.phase_timer,  # its weight syncs are their own phase
             structured_outputs_regex=args.vllm_structured_outputs_regex,
             tensor_parallel_size=args.vllm_tensor_parallel_size,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -486,11 +459,11 @@ class GRPOTrainer(
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         with self.phase_timer.phase("generation"):  # optimizer offload, wake, (sync), generate, sleep, reload
             offloader = None
-            if option(self.args, GRPOConfig, "offload_optimizer_during_generation") and self.optimizer is not None:
+            if option(self.args, "offload_optimizer_during_generation") and self.optimizer is not None:
                 offloader = OptimizerStateOffloader(self.optimizer)
                 offloaded = offloader.offload()
-            engine = getattr(self, "vllm_generation", None)
-            if isinstance(engine, ColocatedVLLMGeneration):
+            engine = self._rollout_engine()
+            if engine is not None:
                 mode = "train" if self.model.training else "eval"
                 engine.set_rollout_seed(self.args.seed, self.state.global_step, mode)
             try:
@@ -504,12 +477,17 @@ class GRPOTrainer(
         mode = "train" if self.model.training else "eval"
         if offloader is not None:
             self._metrics[mode]["memory/optimizer_offloaded_gib"].append(offloaded / 2**30)
-        if isinstance(getattr(self, "vllm_generation", None), ColocatedVLLMGeneration):
-            for name, value in self.vllm_generation.pop_metrics().items():
+        if engine is not None:
+            for name, value in engine.pop_metrics().items():
                 self._metrics[mode][name].append(value)
         return result
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+    def _rollout_engine(self) -> RolloutEngine | None:
+        """trlx_scale's engine, when this run generates with it (not with TRL's transformers path or server)."""
+        engine = getattr(self, "vllm_generation", None)
+        return engine if isinstance(engine, RolloutEngine) else None
+
+    def _before_log(self) -> None:
         # The gap between vLLM's and the trainer's log-probs of the sampled tokens, right after a sync: TRL measures
         # it (as the importance-sampling diagnostic) whenever it computes the trainer's log-probs; it is exposed
         # under sync/ as the staleness check. Numerical noise when the engine is in sync; large when it is stale.
@@ -520,4 +498,14 @@ class GRPOTrainer(
         ):
             if self._metrics[mode].get(source):
                 self._metrics[mode][target] = list(self._metrics[mode][source])
-        super().log(logs, start_time)
+
+
+def _policy_version_of(trainer: GRPOTrainer) -> Callable[[], int]:
+    """The engine's view of the trainer's policy version, holding the trainer weakly (no trainer <-> engine cycle:
+    see profiling's _StepClock)."""
+    ref = weakref.ref(trainer)
+
+    def current() -> int:
+        return ref().policy_version
+
+    return current

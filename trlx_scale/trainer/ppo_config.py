@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..options import registers_options
 from .grpo_config import GRPOConfig
 
 
+@registers_options()
 @dataclass
 class PPOConfig(GRPOConfig):
     r"""

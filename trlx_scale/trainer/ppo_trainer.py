@@ -40,15 +40,15 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl.models.utils import prepare_deepspeed, prepare_fsdp
 from trl.trainer.utils import add_fused_lm_head
 
-from ..generation.colocated_generation import ColocatedVLLMGeneration
-from ..generation.weight_sync import is_peft_model
 from ..losses.value_loss import clipped_value_loss
 from ..optim.master_weights import FP32MasterAdamW
 from ..optim.presets import get_preset
+from ..peft_models import is_peft_model
 from ..ppo.advantages import gae, kl_penalty_rewards, masked_whiten, per_token_kl
 from ..ppo.critic import VALUE_HEAD_MODULE, SeparateCritic, SharedBaseCritic, critic_state, load_critic_state
 from ..ppo.critic_training import CriticBackend, DistributedCritic
 from ..ppo.kl_controller import AdaptiveKLController, FixedKLController
+from ..rollout.batch import RolloutBatch
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
 
@@ -126,8 +126,8 @@ class PPOTrainer(GRPOTrainer):
                 gradient_accumulation_steps=args.gradient_accumulation_steps,
                 micro_batch_size=args.per_device_train_batch_size,
             )
-        elif isinstance(getattr(self, "vllm_generation", None), ColocatedVLLMGeneration):
-            self.vllm_generation.excluded_parameter_prefixes = (VALUE_HEAD_MODULE + ".",)  # not a weight of vLLM's
+        elif self._rollout_engine() is not None:
+            self._rollout_engine().excluded_parameter_prefixes = (VALUE_HEAD_MODULE + ".",)  # not a weight of vLLM's
         self.add_callback(_StepCriticWithPolicy(self))
 
     # ------------------------------------------------------------------ roles
@@ -251,43 +251,43 @@ class PPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ rollout: rewards, KL, values, GAE
 
-    def _score_rollout(self, output, rewards_per_func):
+    def _finish_rollout(self, batch: RolloutBatch) -> RolloutBatch:
+        """PPO's advantages replace TRL's group-normalized ones: KL-penalized per-token rewards, the critic's values,
+        GAE and whitening (``_values_and_gae``). Evaluation rollouts keep TRL's (no critic step follows them)."""
         if not self.model.training:
-            return output
+            return batch
+        return self._values_and_gae(batch)
+
+    def _values_and_gae(self, batch: RolloutBatch) -> RolloutBatch:
         args, mode = self.args, "train"
-        rows = output["completion_ids"].size(0)
-        start = self.accelerator.process_index * rows
-        weights = self.reward_weights.to(rewards_per_func.device)
-        scores = (rewards_per_func * weights).nansum(dim=1)[start : start + rows]
+        weights = self.reward_weights.to(batch.rewards_per_func.device)
+        local_rewards = batch.local_rewards_per_func
+        scores = (local_rewards * weights).nansum(dim=1)
         # A row no reward function scored (every one returned None / NaN, e.g. reward_errors="skip") has no score:
         # nansum would make it 0 and train towards it. Its completion is masked out of the policy and value losses.
-        unscored = torch.isnan(rewards_per_func).all(dim=1)[start : start + rows]
+        unscored = torch.isnan(local_rewards).all(dim=1)
         if unscored.any():
-            output["completion_mask"] = output["completion_mask"] * (~unscored).unsqueeze(1).to(
-                output["completion_mask"].dtype
-            )
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        mask = output["completion_mask"].float()
-        if "tool_mask" in output:
-            mask = mask * output["tool_mask"]
-        length = output["completion_ids"].size(1)
+            batch.completion_mask = batch.completion_mask * (~unscored).unsqueeze(1).to(batch.completion_mask.dtype)
+        input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+        attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+        mask = batch.loss_mask.float()
+        length = batch.completion_ids.size(1)
         with torch.no_grad():
-            if output.get("old_per_token_logps") is None:
-                output["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
+            if batch.old_per_token_logps is None:
+                batch.old_per_token_logps = self._get_per_token_logps_and_entropies(
                     self.model, input_ids, attention_mask, length, args.per_device_train_batch_size
                 )[0]
             with self.phase_timer.phase("ref_logprobs", absorb=True):  # a LoRA policy's base: the same model
                 ref_logps = self._reference_logps(input_ids, attention_mask, length)
             with self.phase_timer.phase("critic"):
                 values = self._values(input_ids, attention_mask, length, args.per_device_train_batch_size)
-        kl = per_token_kl(output["old_per_token_logps"], ref_logps, args.kl_estimator) * mask
+        kl = per_token_kl(batch.old_per_token_logps, ref_logps, args.kl_estimator) * mask
         rewards = kl_penalty_rewards(scores.to(kl.dtype), kl, self.kl_controller.value, mask)
         advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
         raw_advantages = advantages
         if args.whiten_advantages:  # over every rank's tokens: the same on 2 x B/2 rows as on 1 x B
             advantages = masked_whiten(advantages, mask, sum_across_ranks=self._sum_across_ranks)
-        output["advantages"], output["returns"], output["old_values"] = advantages, returns, values
+        batch.advantages, batch.returns, batch.old_values = advantages, returns, values
 
         # Controller update on the mean per-sequence KL of every process's rollouts.
         sequence_kl = self.accelerator.gather(kl.sum(dim=1))
@@ -307,7 +307,7 @@ class PPOTrainer(GRPOTrainer):
         }
         for key, value in metrics.items():
             self._metrics[mode][key].append(self.accelerator.gather(value.float().reshape(1)).mean().item())
-        return output
+        return batch
 
     def _reference_logps(self, input_ids, attention_mask, length) -> torch.Tensor:
         batch_size = self.args.per_device_train_batch_size
@@ -338,12 +338,14 @@ class PPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ loss: policy (TRL) + value
 
     def _postprocess_loss_logps(self, logps, inputs):
-        self._loss_pass_logps = logps.detach()  # the policy's log-probs of this loss pass, for the approximate KL
+        # The policy's log-probs of this loss pass, for the approximate KL: they ride in the micro-batch itself and
+        # are taken out again by _compute_loss, the call this pass runs in.
+        inputs[LOSS_PASS_LOGPS_KEY] = logps.detach()
         return super()._postprocess_loss_logps(logps, inputs)
 
     def _compute_loss(self, model, inputs):
         policy_loss = super()._compute_loss(model, inputs)
-        current_logps, self._loss_pass_logps = self._loss_pass_logps, None
+        current_logps = inputs.pop(LOSS_PASS_LOGPS_KEY)
         mode = "train" if self.model.training else "eval"
         if mode == "eval" or "returns" not in inputs:
             return policy_loss
@@ -451,6 +453,7 @@ class PPOTrainer(GRPOTrainer):
 
 
 PPO_STATE_NAME = "ppo_state.pt"
+LOSS_PASS_LOGPS_KEY = "loss_pass_per_token_logps"  # set and taken out within one _compute_loss call
 
 
 class _StepCriticWithPolicy(TrainerCallback):

@@ -1,15 +1,16 @@
-"""Optimizer presets and fp32 master weights on a trlx_scale trainer (GRPO, DPO): one implementation for all.
+"""Optimizer presets and fp32 master weights on a trlx_scale trainer (GRPO, PPO, DPO): one implementation for all.
 
-Mixed in ahead of TRL's trainer class; the trainer calls ``_setup_master_weights()`` at the end of its ``__init__``.
+A trainer feature (``trlx_scale.trainer.features``): its ``_setup_master_weights`` runs in the trainer's one
+post-init step, ``_setup_features``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..optim.master_weights import FP32MasterAdamW, cast_for_master_weights
-from ..optim.presets import describe, get_preset
-from .shared_fields import OptimizerPresetFields
+from ..options import option
+from .master_weights import FP32MasterAdamW, cast_for_master_weights
+from .presets import describe, get_preset
 
 
 class MasterWeightsMixin:
@@ -18,16 +19,14 @@ class MasterWeightsMixin:
     @property
     def _uses_master_optimizer(self) -> bool:
         """fp32 masters in our optimizer: single device and DDP (FSDP2/ZeRO-3 keep their own masters)."""
-        uses = isinstance(self.args, OptimizerPresetFields) and self.args.uses_fp32_master_weights
+        uses = option(self.args, "uses_fp32_master_weights")
         return uses and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
 
     def _setup_master_weights(self) -> None:
         args = self.args
-        if not isinstance(args, OptimizerPresetFields):
-            return
-        if args.optim_preset_values is not None:
+        if option(args, "optim_preset_values") is not None:
             self.accelerator.print(describe(args.optim_preset_values, get_preset(args.optim_preset)))
-        if not args.uses_fp32_master_weights:
+        if not option(args, "uses_fp32_master_weights"):
             return
         if self.optimizer is not None:
             raise ValueError(

@@ -29,6 +29,7 @@ output (the key/value projections included), so it re-gathers by itself. Exact u
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..compat.checkpoint_with_cache import (
     keep_cache_under_checkpointing,
     uses_reentrant_checkpointing,
 )
+from .logprob_pass import PassResult
 
 
 @dataclass(frozen=True)
@@ -252,3 +254,67 @@ def shared_prefix_logps(
     logps = outputs.log_probs[:, -logits_to_keep:]
     entropies = outputs.entropy[:, -logits_to_keep:] if compute_entropy else None
     return logps, entropies
+
+
+class SharedPrefixPass:
+    """The shared-prefix pass behind the ``LogProbPass`` interface: chunk by chunk (TRL's ``batch_size`` rows at a
+    time), each chunk's prompts shared where every rank can (``all_ranks_can_share``), the padded pass otherwise.
+
+    Args:
+        padded: the fallback pass (``PaddedPass``) for chunks without a repeated prompt.
+        agree: the per-chunk decision agreed by every rank (``all_ranks_can_share`` bound to the trainer's layout).
+        autocast: the trainer's autocast context (``accelerator.autocast``).
+        inner_model: the unwrapped model (its layers and config are inspected).
+    """
+
+    name = "shared_prefix"
+
+    def __init__(self, padded, agree: Callable[[bool], bool], autocast: Callable, inner_model: torch.nn.Module):
+        self._padded = padded
+        self._agree = agree
+        self._autocast = autocast
+        self._inner_model = inner_model
+
+    def run(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None,
+        compute_entropy: bool,
+        compute_aux_loss: bool,
+        extra_inputs: dict[str, Any],
+    ) -> PassResult:
+        if compute_aux_loss or any(value is not None for value in extra_inputs.values()):
+            raise ValueError("the shared-prefix pass covers text rows without a router loss; use the padded pass.")
+        batch_size = batch_size or input_ids.size(0)
+        all_logps, all_entropies, chunk_ratios = [], [], []
+        rows_tokens = processed_tokens = 0.0
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            shared = None
+            if self._agree(can_share_prefix(ids, mask, logits_to_keep)):
+                with self._autocast():
+                    shared = shared_prefix_logps(
+                        model, ids, mask, logits_to_keep, compute_entropy, inner_model=self._inner_model
+                    )
+            used = shared is not None
+            if not used:
+                result = self._padded.run(model, ids, mask, logits_to_keep, None, compute_entropy, False, {})
+                shared = (result.logps, result.entropies)
+            # Tokens the padded pass would process over tokens this one did: how much the sharing pays.
+            ratio = shared_token_ratio(ids, mask, logits_to_keep) if used else 1.0
+            chunk_ratios.append(ratio)
+            rows_tokens += float(mask.sum())
+            processed_tokens += float(mask.sum()) / ratio
+            all_logps.append(shared[0])
+            all_entropies.append(shared[1])
+        return PassResult(
+            logps=torch.cat(all_logps),
+            entropies=torch.cat(all_entropies) if compute_entropy else None,
+            aux_loss=None,
+            row_lengths=attention_mask.sum(dim=-1).detach(),
+            token_ratio=rows_tokens / max(processed_tokens, 1.0),
+            chunk_token_ratios=chunk_ratios,
+        )

@@ -1,0 +1,108 @@
+"""Every trlx_scale trainer is assembled from TrainerFeatures (trainer/features.py): this fails when a trainer lacks
+it, when a feature's setup did not run, when the order of the features changes without the docstring, and when a
+path of a training step (DPO's batch without pairs) skips the profiler or the guard."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from trlx_scale import DPOConfig, DPOTrainer, GRPOTrainer, PPOTrainer
+from trlx_scale.options import option, registered_options
+from trlx_scale.trainer import features
+from trlx_scale.trainer.features import FEATURES, TrainerFeatures
+
+from .helpers.trainers import small_dpo_config, small_grpo_config
+
+TRAINERS = (GRPOTrainer, PPOTrainer, DPOTrainer)
+
+
+@pytest.mark.parametrize("trainer_cls", TRAINERS, ids=lambda c: c.__name__)
+def test_every_trainer_has_every_feature_ahead_of_trl(trainer_cls):
+    mro = trainer_cls.__mro__
+    assert TrainerFeatures in mro
+    trl_index = next(i for i, c in enumerate(mro) if c.__module__.startswith("trl."))
+    positions = [mro.index(feature) for feature in FEATURES]
+    assert positions == sorted(positions) and positions[-1] < trl_index, "features in their declared order, before TRL"
+    # One init protocol: no feature defines its own __init__, and no class between the trainer and TRL but
+    # TrainerFeatures does.
+    for cls in mro[:trl_index]:
+        if cls in FEATURES:
+            assert "__init__" not in vars(cls), f"{cls.__name__} has its own __init__"
+    # One training step and one log pipeline: only TrainerFeatures overrides them before TRL.
+    for name in ("training_step", "log"):
+        owners = [cls.__name__ for cls in mro[:trl_index] if name in vars(cls)]
+        assert owners == ["TrainerFeatures"], (name, owners)
+
+
+def test_the_docstring_lists_the_features_in_their_order():
+    doc = inspect.getdoc(features)
+    places = [doc.index(f"``{feature.__name__}``") for feature in FEATURES]
+    assert places == sorted(places)
+
+
+def test_options_registry_knows_every_trlx_scale_field_and_plain_trl_meanings():
+    import trl
+
+    from trlx_scale import GRPOConfig
+
+    trl_names = {f.name for f in __import__("dataclasses").fields(trl.GRPOConfig)}
+    ours = {f.name for f in __import__("dataclasses").fields(GRPOConfig)} - trl_names
+    assert ours <= set(registered_options()), ours - set(registered_options())
+    plain = trl.GRPOConfig(output_dir="unused", report_to="none", bf16=False)
+    assert option(plain, "vllm_dtype") == "auto" and option(plain, "vllm_per_request_seed") is False
+    assert option(plain, "shared_prefix") == "false" and option(plain, "uses_fp32_master_weights") is False
+    with pytest.raises(KeyError, match="not a trlx_scale config field"):
+        option(plain, "shared_prefx")
+
+
+def test_grpo_trainer_sets_every_feature_up(default_model_dir, tmp_path):
+    from trlx_scale.tasks import addition_dataset, exact_match_reward
+
+    trainer = GRPOTrainer(
+        default_model_dir,
+        exact_match_reward,
+        small_grpo_config(tmp_path, max_steps=1),
+        train_dataset=addition_dataset("train", size=8),
+    )
+    assert trainer.features_ready and trainer.policy_version == 0
+    names = {type(c).__name__ for c in trainer.callback_handler.callbacks}
+    assert {"_StepClock", "_DropGradientsOfSkippedStep", "_CountPolicyUpdates"} <= names
+    trainer.train()
+    assert trainer.policy_version == 1
+
+
+def _unanimous_reward(completions, **kwargs):
+    """Every sample of every prompt scores the same: no preference pair in any batch."""
+    return [1.0] * len(completions)
+
+
+def test_dpo_batch_without_pairs_goes_through_the_profiler_and_the_guard(default_model_dir, tmp_path):
+    """Online DPO's early return (no pair to learn from) used to skip the profiler's and the guard's step."""
+    from trlx_scale.tasks import addition_dataset
+
+    args = small_dpo_config(
+        tmp_path,
+        DPOConfig,
+        online=True,
+        online_num_generations=2,
+        online_max_completion_length=4,
+        max_steps=1,
+    )
+    trainer = DPOTrainer(
+        default_model_dir,
+        args=args,
+        train_dataset=addition_dataset("train", size=8),
+        reward_funcs=_unanimous_reward,
+    )
+    noted = []
+    original = trainer._guard_note_loss
+    trainer._guard_note_loss = lambda loss: (noted.append(float(loss)), original(loss))[1]
+    trainer.train()
+    assert noted == [0.0]
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert logs and logs[0]["time/loss_forward_backward"] > 0
+    assert logs[0]["reliability/skipped_steps"] == 0.0
+    assert torch.isfinite(torch.tensor(logs[0]["loss"]))

@@ -1,0 +1,63 @@
+"""The policy version: which weights a rollout was sampled with, and whether the engine serves the current ones.
+
+The trainer owns one counter, ``policy_version``: 0 for the weights the run starts from, +1 at every optimizer step
+that changed them (a step the non-finite guard skipped did not), saved in each checkpoint and restored on resume. The
+engine reports the version it serves (``served_version``); "is the engine current" is one comparison, made in one
+place (``RolloutEngine.ensure_version``), and every rollout carries the version that generated it
+(``RolloutBatch.policy_version``). This replaces three flags: TRL's ``_last_loaded_step``, DPO's own, and the sync
+the engine triggered itself on waking.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+
+from transformers import TrainerCallback
+
+from ..atomic_files import write_text_atomically
+
+POLICY_VERSION_NAME = "policy_version.json"
+
+
+class PolicyVersionMixin:
+    """A trainer feature (``trlx_scale.trainer.features``): the ``policy_version`` counter and its checkpointing."""
+
+    policy_version: int = 0
+
+    def _setup_policy_version(self) -> None:
+        self.policy_version = 0
+        self.add_callback(_CountPolicyUpdates(self))
+
+    def _weights_were_updated(self) -> bool:
+        """Whether the optimizer step that just ran changed the weights (the non-finite guard may have skipped it)."""
+        guard = getattr(self, "_nonfinite_guard", None)
+        return not (guard is not None and guard["skip"])
+
+    def _save_extra_state(self, checkpoint_dir: str) -> None:
+        super()._save_extra_state(checkpoint_dir)
+        if self.args.should_save:
+            path = os.path.join(checkpoint_dir, POLICY_VERSION_NAME)
+            write_text_atomically(path, json.dumps({"policy_version": self.policy_version}))
+
+    def _load_extra_state(self, checkpoint_dir: str) -> None:
+        super()._load_extra_state(checkpoint_dir)
+        path = os.path.join(checkpoint_dir, POLICY_VERSION_NAME)
+        if os.path.isfile(path):
+            with open(path) as handle:
+                self.policy_version = int(json.load(handle)["policy_version"])
+        else:  # a checkpoint of an older version: its weights are the step's (what the count would say)
+            self.policy_version = self.state.global_step
+
+
+class _CountPolicyUpdates(TrainerCallback):
+    """+1 after each optimizer step that changed the weights (before the guard's own on_step_end resets its flag)."""
+
+    def __init__(self, trainer: PolicyVersionMixin):
+        self._trainer = weakref.ref(trainer)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is not None and trainer._weights_were_updated():
+            trainer.policy_version += 1
