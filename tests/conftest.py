@@ -28,6 +28,17 @@ def _environment_of_the_test():
     os.environ.update(saved)
 
 
+@pytest.fixture()
+def fake_hub(monkeypatch):
+    """A local fake Hub (tests/helpers/fake_hub.py) that HF_ENDPOINT points at, with a token in HF_TOKEN."""
+    from .helpers.fake_hub import FakeHub
+
+    with FakeHub() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_fake_token")
+        yield hub
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     return default_model_path()

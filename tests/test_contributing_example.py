@@ -6,12 +6,10 @@ import math
 import os
 import re
 
-import pytest
 import torch
 
 from trlx_scale.rollout import RolloutBatch
 
-from .helpers.fake_hub import FakeHub
 from .helpers.launch import REPO_ROOT
 from .helpers.trainers import small_grpo_config
 
@@ -37,14 +35,6 @@ def _batch(rewards: torch.Tensor) -> RolloutBatch:
         rewards_per_func=rewards,
         policy_version=0,
     )
-
-
-@pytest.fixture()
-def fake_hub(monkeypatch):
-    with FakeHub() as hub:
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        monkeypatch.setenv("HF_TOKEN", "hf_contributing_secret_token")
-        yield hub
 
 
 def test_rloo_from_the_contributing_guide_scores_leave_one_out_trains_and_has_every_feature(
@@ -107,4 +97,4 @@ def test_rloo_from_the_contributing_guide_scores_leave_one_out_trains_and_has_ev
     trainer.push_to_hub()
     files = fake_hub.repos["tester/rloo-run"]
     assert "README.md" in files and "rloo" in files["README.md"].decode()  # the trainer's tag on the card
-    assert not any(b"hf_contributing_secret_token" in body for body in fake_hub.received), "Hub push, scanned"
+    assert not any(b"hf_fake_token" in body for body in fake_hub.received), "Hub push, scanned"

@@ -30,14 +30,6 @@ def alternating_reward(completions, **kwargs):
     return [float(index % 2) for index in range(len(completions))]
 
 
-@pytest.fixture()
-def fake_hub(monkeypatch):
-    with FakeHub() as hub:
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        monkeypatch.setenv("HF_TOKEN", "hf_fake_token")
-        yield hub
-
-
 def _grpo(default_model_dir, tmp_path, **overrides):
     args = small_grpo_config(
         tmp_path, max_steps=1, hub_model_id="tester/grpo-run", hub_push_backoff_s=0.01, **overrides

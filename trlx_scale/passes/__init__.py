@@ -7,8 +7,8 @@ the tokens it actually processed, so the profiler's FLOPs and the token ratio co
 batch's padded shape.
 """
 
-from .logprob_pass import LogProbPass, PassResult
+from .logprob_pass import LogProbPass, PassRequest, PassResult
 from .padded import PaddedPass
 from .shared_prefix import SharedPrefixPass
 
-__all__ = ["LogProbPass", "PaddedPass", "PassResult", "SharedPrefixPass"]
+__all__ = ["LogProbPass", "PaddedPass", "PassRequest", "PassResult", "SharedPrefixPass"]

@@ -1,11 +1,40 @@
-"""``LogProbPass``: the interface of every log-prob pass, and ``PassResult``, what each returns."""
+"""``LogProbPass``: the interface of every log-prob pass; ``PassRequest``, what it is asked; ``PassResult``, what it
+returns."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
+
+
+@dataclass
+class PassRequest:
+    """Rows to score: ``input_ids``/``attention_mask`` (rows, prompt + completion tokens), of which the last
+    ``logits_to_keep`` are the completion; ``batch_size`` rows per forward (None: all at once); the entropies and
+    a MoE router's load-balancing loss when asked; ``extra_inputs``: TRL's multimodal inputs (None when absent)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logits_to_keep: int
+    batch_size: int | None = None
+    compute_entropy: bool = False
+    compute_aux_loss: bool = False
+    extra_inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_extra_inputs(self) -> bool:
+        return self.compute_aux_loss or any(value is not None for value in self.extra_inputs.values())
+
+    def rows(self, start: int, stop: int) -> PassRequest:
+        """The same request for rows ``start:stop``, in one forward."""
+        return replace(
+            self,
+            input_ids=self.input_ids[start:stop],
+            attention_mask=self.attention_mask[start:stop],
+            batch_size=None,
+        )
 
 
 @dataclass
@@ -25,25 +54,10 @@ class PassResult:
     token_ratio: float = 1.0
     chunk_token_ratios: list[float] = field(default_factory=list)
 
-    @property
-    def as_trl(self) -> tuple:
-        """TRL's return value of ``_get_per_token_logps_and_entropies``."""
-        return self.logps, self.entropies, self.aux_loss
-
 
 class LogProbPass(Protocol):
-    """A way to compute per-token log-probs of the last ``logits_to_keep`` tokens of each row."""
+    """A way to compute per-token log-probs of the completion tokens of each row."""
 
     name: str
 
-    def run(
-        self,
-        model: torch.nn.Module,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        logits_to_keep: int,
-        batch_size: int | None,
-        compute_entropy: bool,
-        compute_aux_loss: bool,
-        extra_inputs: dict[str, Any],
-    ) -> PassResult: ...
+    def run(self, model: torch.nn.Module, request: PassRequest) -> PassResult: ...

@@ -41,7 +41,7 @@ from ..compat.checkpoint_with_cache import (
     keep_cache_under_checkpointing,
     uses_reentrant_checkpointing,
 )
-from .logprob_pass import PassResult
+from .logprob_pass import PassRequest, PassResult
 
 
 @dataclass(frozen=True)
@@ -275,36 +275,28 @@ class SharedPrefixPass:
         self._autocast = autocast
         self._inner_model = inner_model
 
-    def run(
-        self,
-        model: torch.nn.Module,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        logits_to_keep: int,
-        batch_size: int | None,
-        compute_entropy: bool,
-        compute_aux_loss: bool,
-        extra_inputs: dict[str, Any],
-    ) -> PassResult:
-        if compute_aux_loss or any(value is not None for value in extra_inputs.values()):
+    def run(self, model: torch.nn.Module, request: PassRequest) -> PassResult:
+        if request.has_extra_inputs:
             raise ValueError("the shared-prefix pass covers text rows without a router loss; use the padded pass.")
-        batch_size = batch_size or input_ids.size(0)
+        rows, keep = request.input_ids.size(0), request.logits_to_keep
+        batch_size = request.batch_size or rows
         all_logps, all_entropies, chunk_ratios = [], [], []
         rows_tokens = processed_tokens = 0.0
-        for start in range(0, input_ids.size(0), batch_size):
-            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+        for start in range(0, rows, batch_size):
+            chunk = request.rows(start, start + batch_size)
+            ids, mask = chunk.input_ids, chunk.attention_mask
             shared = None
-            if self._agree(can_share_prefix(ids, mask, logits_to_keep)):
+            if self._agree(can_share_prefix(ids, mask, keep)):
                 with self._autocast():
                     shared = shared_prefix_logps(
-                        model, ids, mask, logits_to_keep, compute_entropy, inner_model=self._inner_model
+                        model, ids, mask, keep, request.compute_entropy, inner_model=self._inner_model
                     )
             used = shared is not None
             if not used:
-                result = self._padded.run(model, ids, mask, logits_to_keep, None, compute_entropy, False, {})
+                result = self._padded.run(model, chunk)
                 shared = (result.logps, result.entropies)
             # Tokens the padded pass would process over tokens this one did: how much the sharing pays.
-            ratio = shared_token_ratio(ids, mask, logits_to_keep) if used else 1.0
+            ratio = shared_token_ratio(ids, mask, keep) if used else 1.0
             chunk_ratios.append(ratio)
             rows_tokens += float(mask.sum())
             processed_tokens += float(mask.sum()) / ratio
@@ -312,9 +304,9 @@ class SharedPrefixPass:
             all_entropies.append(shared[1])
         return PassResult(
             logps=torch.cat(all_logps),
-            entropies=torch.cat(all_entropies) if compute_entropy else None,
+            entropies=torch.cat(all_entropies) if request.compute_entropy else None,
             aux_loss=None,
-            row_lengths=attention_mask.sum(dim=-1).detach(),
+            row_lengths=request.attention_mask.sum(dim=-1).detach(),
             token_ratio=rows_tokens / max(processed_tokens, 1.0),
             chunk_token_ratios=chunk_ratios,
         )

@@ -35,7 +35,7 @@ from ..losses.policy_losses import log_importance_weights
 from ..losses.vllm_importance_sampling import importance_sampling_statistics, vllm_importance_sampling_ratio
 from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..options import option
-from ..passes import LogProbPass, PaddedPass, PassResult, SharedPrefixPass
+from ..passes import LogProbPass, PaddedPass, PassRequest, PassResult, SharedPrefixPass
 from ..passes.shared_prefix import all_ranks_can_share, unsupported_reason
 from ..peft_models import is_peft_model
 from ..reliability.checkpoints import checkpoint_world_size
@@ -270,32 +270,31 @@ class GRPOTrainer(TrainerFeatures, TRLGRPOTrainer):
         mm_token_type_ids=None,
         image_position_ids=None,
     ):
-        extra_inputs = dict(
-            pixel_values=pixel_values,
-            image_grid_thw=image_grid_thw,
-            num_images=num_images,
-            pixel_attention_mask=pixel_attention_mask,
-            spatial_shapes=spatial_shapes,
-            num_tiles=num_tiles,
-            image_sizes=image_sizes,
-            token_type_ids=token_type_ids,
-            mm_token_type_ids=mm_token_type_ids,
-            image_position_ids=image_position_ids,
+        request = PassRequest(
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size,
+            compute_entropy,
+            compute_aux_loss,
+            extra_inputs=dict(
+                pixel_values=pixel_values,
+                image_grid_thw=image_grid_thw,
+                num_images=num_images,
+                pixel_attention_mask=pixel_attention_mask,
+                spatial_shapes=spatial_shapes,
+                num_tiles=num_tiles,
+                image_sizes=image_sizes,
+                token_type_ids=token_type_ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_position_ids=image_position_ids,
+            ),
         )
         training = torch.is_grad_enabled()
         # A no-grad pass is a rollout's old-policy or reference pass (the loss pass's time is its own phase).
         name = "ref_logprobs" if not training and self._is_reference_pass(model) else "old_logprobs"
         with self.phase_timer.phase(name) if not training else contextlib.nullcontext():
-            result = self._choose_logprob_pass(model, compute_aux_loss, extra_inputs).run(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                extra_inputs,
-            )
+            result = self._choose_logprob_pass(model, request).run(model, request)
         self._record_pass(result, training)
         logps = result.logps
         if self._loss_pass_inputs is not None:
@@ -303,7 +302,7 @@ class GRPOTrainer(TrainerFeatures, TRLGRPOTrainer):
             logps = self._postprocess_loss_logps(logps, self._loss_pass_inputs)
         return logps, result.entropies, result.aux_loss
 
-    def _choose_logprob_pass(self, model, compute_aux_loss: bool, extra_inputs: dict) -> LogProbPass:
+    def _choose_logprob_pass(self, model, request: PassRequest) -> LogProbPass:
         """The pass for this batch: the run's choice (``shared_prefix``, decided once at the first pass), except that
         a batch with a router loss or image inputs takes the padded pass (both cover the prompt tokens).
 
@@ -311,9 +310,7 @@ class GRPOTrainer(TrainerFeatures, TRLGRPOTrainer):
         trainer cycle would leave a finished trainer's engine to the cyclic garbage collector (see profiling's
         _StepClock)."""
         padded = PaddedPass(super()._get_per_token_logps_and_entropies)
-        if compute_aux_loss or any(value is not None for value in extra_inputs.values()):
-            return padded
-        if not self._shared_prefix_enabled(model):
+        if request.has_extra_inputs or not self._shared_prefix_enabled(model):
             return padded
         return SharedPrefixPass(
             padded,
