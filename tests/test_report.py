@@ -60,7 +60,7 @@ def test_report_writes_plots_and_summary(finished_run, tmp_path, capsys):
     assert "held-out accuracy | 30.0% -> 45.0% (+15.0 points)" in markdown
     assert "![phases](phases.png)" in markdown
     assert "generation" in markdown and "loss_forward_backward" in markdown  # the phase shares
-    assert not list(target.glob("*.partial*")), "no half-written file is left"
+    assert not list(target.glob("*.tmp-*")), "no half-written file is left"
 
 
 def test_history_reads_the_logged_steps(finished_run):
@@ -88,3 +88,45 @@ def test_bad_output_dirs_get_a_clear_error(tmp_path, capsys):
     assert "is not a directory: pass a run's output_dir" in capsys.readouterr().err
     assert cli_main(["report", str(tmp_path)]) == 2
     assert "no trainer_state.json in" in capsys.readouterr().err
+
+
+def test_reward_plot_draws_the_accuracy_curve_when_the_run_measured_one(finished_run, tmp_path):
+    """A run that measured held-out accuracy during training (examples' --eval_every_steps) gets its curve: the
+    plot differs from the one of the same run with only the two ends."""
+    import shutil
+
+    curve_run = tmp_path / "curve_run"
+    shutil.copytree(finished_run, curve_run)
+    summary = json.loads((curve_run / "run_summary.json").read_text())
+    summary["accuracy_curve"] = [[0, 0.30], [1, 0.60], [2, 0.35], [3, 0.45]]
+    (curve_run / "run_summary.json").write_text(json.dumps(summary))
+    assert cli_main(["report", str(curve_run), "--output", str(tmp_path / "with_curve")]) == 0
+    assert cli_main(["report", str(finished_run), "--output", str(tmp_path / "ends_only")]) == 0
+    with_curve = _png_pixels(tmp_path / "with_curve" / "reward.png")
+    ends_only = _png_pixels(tmp_path / "ends_only" / "reward.png")
+    assert with_curve.shape == ends_only.shape and abs(with_curve - ends_only).max() > 0.1
+
+
+def test_held_out_curve_scores_every_n_steps_and_keeps_the_random_state():
+    from types import SimpleNamespace
+
+    import torch
+
+    from trlx_scale.tasks.example_runtime import HeldOutAccuracyCurve
+
+    values = iter([0.5, 0.6])
+
+    def accuracy():
+        torch.rand(3)  # an evaluation that draws random numbers must not change the training's
+        return next(values)
+
+    curve = HeldOutAccuracyCurve(accuracy, every=2)
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    for step in range(1, 7):  # the last step (6) is the run's "after", not a point of the curve
+        curve.on_step_end(None, SimpleNamespace(global_step=step, max_steps=6), None)
+    assert curve.points == [(2, 0.5), (4, 0.6)]
+    assert torch.equal(torch.rand(1), expected)
+    with pytest.raises(ValueError, match="--eval_every_steps must be >= 0"):
+        HeldOutAccuracyCurve(accuracy, every=-1)

@@ -20,6 +20,8 @@ import sys
 
 from transformers.utils import logging
 
+from ..atomic_files import write_text_atomically
+
 logger = logging.get_logger(__name__)
 
 UNIVERSAL_TAG_FILE = "latest_universal"
@@ -67,6 +69,5 @@ def convert_to_universal(checkpoint_dir: str) -> str:
                 f"size) failed:\n{done.stderr[-3000:]}\nResume with the number of processes that saved it instead."
             )
         os.replace(partial, target)
-    with open(os.path.join(checkpoint_dir, UNIVERSAL_TAG_FILE), "w") as handle:
-        handle.write(universal)
+    write_text_atomically(os.path.join(checkpoint_dir, UNIVERSAL_TAG_FILE), universal)
     return universal

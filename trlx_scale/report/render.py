@@ -6,7 +6,7 @@ import os
 import statistics
 from dataclasses import dataclass
 
-from ..atomic_files import write_text_atomically
+from ..atomic_files import replace_atomically, write_text_atomically
 from ..profiling.phase_timer import PHASES
 from .run_history import RunHistory
 
@@ -68,7 +68,7 @@ def _plot_reward(plt, history: RunHistory, path: str) -> None:
         accuracy.set_ylabel("held-out accuracy (%)", color="tab:green")
     axis.set_title("Reward and held-out accuracy")
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=80, format="png")  # the path may be a temporary name
     plt.close(figure)
 
 
@@ -90,7 +90,7 @@ def _plot_kl_clip(plt, history: RunHistory, path: str) -> None:
     _plot_series_panel(left, history, KL_KEYS, "KL")
     _plot_series_panel(right, history, CLIP_KEYS, "clip fractions")
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=80, format="png")  # the path may be a temporary name
     plt.close(figure)
 
 
@@ -120,7 +120,7 @@ def _plot_phases(plt, history: RunHistory, path: str) -> None:
         axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         axis.set_title("Time per phase per step")
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=80, format="png")  # the path may be a temporary name
     plt.close(figure)
 
 
@@ -148,7 +148,7 @@ def _plot_throughput(plt, history: RunHistory, path: str) -> None:
     else:
         _no_data(axis, "throughput (profile_phases)")
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=80, format="png")  # the path may be a temporary name
     plt.close(figure)
 
 
@@ -208,10 +208,7 @@ def write_report(output_dir: str, report_dir: str | None = None) -> Report:
         ("phases.png", _plot_phases),
         ("throughput.png", _plot_throughput),
     ):
-        path = os.path.join(report_dir, name)
-        partial = path + ".partial.png"
-        draw(plt, history, partial)
-        os.replace(partial, path)
+        replace_atomically(os.path.join(report_dir, name), lambda temporary, draw=draw: draw(plt, history, temporary))
         images.append(name)
     markdown = os.path.join(report_dir, "report.md")
     write_text_atomically(markdown, _markdown(history, images))
