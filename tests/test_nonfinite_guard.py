@@ -102,6 +102,35 @@ def test_a_nan_step_is_skipped_and_training_goes_on(default_model_dir, tmp_path,
     steps = {float(state["step"]) for state in optimizer.state.values()}
     assert steps == {2.0}  # Adam took 2 steps in 3: the skipped one left its moments and step count alone
     assert math.isnan(logged(trainer, "grad_norm")[1])
+    assert trainer.policy_version == 2  # 3 steps, 2 updates: the skipped step made no new policy
+
+
+def test_engine_syncs_only_when_the_policy_version_moved(default_model_dir, tmp_path):
+    """The one "is the engine current" check: a skipped step leaves the policy version, so the engine is not synced
+    again (the weights did not change); an update moves it, and the next rollout syncs."""
+    trainer = _grpo(default_model_dir, tmp_path, nan_steps={2}, use_vllm=True, vllm_mode="colocate", max_steps=3)
+    engine = trainer.vllm_generation
+    syncs, versions = [], []
+    original = engine._sync_weights
+
+    def counting(base_discarded):
+        syncs.append(trainer.state.global_step)
+        return original(base_discarded)
+
+    engine._sync_weights = counting
+    finish_rollout = trainer._finish_rollout
+
+    def recording(batch):
+        versions.append(batch.policy_version)
+        return finish_rollout(batch)
+
+    trainer._finish_rollout = recording
+    trainer.train()
+    # Rollouts before steps 1, 2, 3 ran at versions 0, 1, 1 (step 2 was skipped); the engine synced for versions 0
+    # and 1 only, at global steps 0 and 1.
+    assert versions == [0, 1, 1]
+    assert syncs == [0, 1], syncs
+    assert engine.served_version == 1 and trainer.policy_version == 2
 
 
 def test_consecutive_nan_steps_stop_the_run_with_a_clear_error(default_model_dir, tmp_path):
