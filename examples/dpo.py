@@ -17,92 +17,13 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
 
 # Allow `python examples/dpo.py` from a source checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from datasets import load_dataset  # noqa: E402
-
-from trlx_scale import DPOConfig, DPOTrainer  # noqa: E402
-from trlx_scale.tasks import addition_dataset, addition_preference_dataset  # noqa: E402
-from trlx_scale.tasks.example_runtime import Example, TaskScriptArguments, run_example  # noqa: E402
-
-
-@dataclass
-class DPOScriptArguments(TaskScriptArguments):
-    """The task arguments, with DPO's meaning of the dataset and answer columns."""
-
-    dataset_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "Hub preference dataset (prompt/chosen/rejected; prompt-only plus answer column with --online). "
-            "Unset: the embedded addition task."
-        },
-    )
-    answer_column: str = field(
-        default="answer",
-        metadata={"help": "With --online on a Hub dataset: the column exact match is scored against."},
-    )
-
-
-# Tuned on the embedded task (docs/dpo.md).
-EXAMPLE_STEPS = {"offline": 100, "online": 100}
-EXAMPLE_LEARNING_RATE = {"offline": 1e-4, "online": 5e-4}
-
-
-def dpo_defaults(parsed) -> dict:
-    """Offline or online (`--online`, on the command line or in a --config file) get their own tuned values."""
-    mode = "online" if parsed is not None and parsed.online else "offline"
-    return dict(
-        output_dir="outputs/dpo-addition-online" if mode == "online" else "outputs/dpo-addition",
-        max_steps=EXAMPLE_STEPS[mode],
-        per_device_train_batch_size=32,
-        learning_rate=EXAMPLE_LEARNING_RATE[mode],
-        beta=0.1,
-        max_length=64,
-        online_num_generations=8,
-        online_max_completion_length=6,
-        logging_steps=10,
-    )
-
-
-def load_data(script_args: DPOScriptArguments, config: DPOConfig):
-    """(train dataset, held-out prompt dataset or None)."""
-    online = config.online
-    if script_args.dataset_name is None:
-        size = script_args.train_size
-        train = addition_dataset("train", size=size) if online else addition_preference_dataset("train", size=size)
-        held_out = addition_dataset("held_out", size=script_args.eval_size) if script_args.eval_size else None
-        return train, held_out
-    dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
-    train = dataset[script_args.dataset_train_split]
-    needed = ("prompt", script_args.answer_column) if online else ("chosen", "rejected")
-    missing = [column for column in needed if column not in train.column_names]
-    if missing:
-        raise ValueError(
-            f"Dataset {script_args.dataset_name!r} lacks {missing} (columns: {train.column_names}); "
-            + ("--online needs prompts and an answer column (--answer_column)." if online else "DPO needs pairs.")
-        )
-    if script_args.train_size is not None:
-        train = train.select(range(min(script_args.train_size, len(train))))
-    return train, None  # held-out accuracy is the embedded task's metric
-
-
-EXAMPLE = Example(
-    trainer_cls=DPOTrainer,
-    config_cls=DPOConfig,
-    defaults=dpo_defaults,
-    script_args_cls=DPOScriptArguments,
-    load_data=load_data,
-    trainer_kwargs=lambda config, reward: {"reward_funcs": reward if config.online else None},
-    reward_key="online/reward_mean",
-)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return run_example(EXAMPLE, argv)
-
+# The script itself ships in the package (`trlx-scale dpo` runs the same one): trlx_scale/scripts/dpo.py.
+from trlx_scale.scripts.dpo import *  # noqa: E402, F403
+from trlx_scale.scripts.dpo import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

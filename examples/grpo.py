@@ -18,21 +18,9 @@ import sys
 # Allow `python examples/grpo.py` from a source checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trlx_scale import GRPOConfig, GRPOTrainer  # noqa: E402
-from trlx_scale.tasks.example_runtime import ROLLOUT_EXAMPLE_DEFAULTS, Example, run_example  # noqa: E402
-
-
-def grpo_defaults(parsed) -> dict:
-    """This example's defaults, on top of the shared ones: no KL term (beta 0)."""
-    return {**ROLLOUT_EXAMPLE_DEFAULTS, "output_dir": "outputs/grpo-addition", "beta": 0.0}
-
-
-EXAMPLE = Example(trainer_cls=GRPOTrainer, config_cls=GRPOConfig, defaults=grpo_defaults)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return run_example(EXAMPLE, argv)
-
+# The script itself ships in the package (`trlx-scale grpo` runs the same one): trlx_scale/scripts/grpo.py.
+from trlx_scale.scripts.grpo import *  # noqa: E402, F403
+from trlx_scale.scripts.grpo import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

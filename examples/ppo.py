@@ -20,32 +20,9 @@ import sys
 # Allow `python examples/ppo.py` from a source checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trlx_scale import PPOConfig, PPOTrainer  # noqa: E402
-from trlx_scale.tasks.example_runtime import ROLLOUT_EXAMPLE_DEFAULTS, Example, run_example  # noqa: E402
-
-# Tuned on the embedded task (docs/benchmarks.md): 2 mini-batches of 64 x 2 epochs (50 rollouts) gained +2.0 points,
-# 1 mini-batch of 128 x 2 epochs (100 rollouts) +11.3; the critic learns faster than the policy.
-EXAMPLE_CRITIC_LEARNING_RATE = 1e-3
-
-
-def ppo_defaults(parsed) -> dict:
-    """One rollout of 128 samples (16 prompts x 8) per mini-batch, 2 PPO epochs over it: 200 steps = 100 rollouts."""
-    return {
-        **ROLLOUT_EXAMPLE_DEFAULTS,
-        "output_dir": "outputs/ppo-addition",
-        "steps_per_generation": 1,
-        "num_iterations": 2,
-        "critic_learning_rate": EXAMPLE_CRITIC_LEARNING_RATE,
-        "kl_coef": 0.05,
-    }
-
-
-EXAMPLE = Example(trainer_cls=PPOTrainer, config_cls=PPOConfig, defaults=ppo_defaults)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return run_example(EXAMPLE, argv)
-
+# The script itself ships in the package (`trlx-scale ppo` runs the same one): trlx_scale/scripts/ppo.py.
+from trlx_scale.scripts.ppo import *  # noqa: E402, F403
+from trlx_scale.scripts.ppo import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

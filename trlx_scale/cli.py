@@ -6,6 +6,10 @@ trlx-scale accelerate-config --nodes 1 --gpus-per-node 4 --backend fsdp2 --vllm-
 trlx-scale build-default-model --output /tmp/model
 trlx-scale report outputs/grpo-addition                  # plots + report.md in outputs/grpo-addition/report
 trlx-scale plan --params 7e9 --layers 32 --hidden 4096 --heads 32 --algo grpo --lora-rank 16 --gpus-per-node 1 --gpu a100-80
+trlx-scale grpo --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl-lib/DeepMath-103K \
+    --reward_funcs accuracy_reward --accelerate_config zero3     # as `trl grpo`; every config field is a flag
+trlx-scale grpo                                              # the embedded model on the embedded task
+trlx-scale recipes [list|show|check] [NAME ...]              # checked configurations for real models and GPUs
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import sys
 
 from .atomic_files import write_text_atomically
 from .launch_config import BACKENDS, MAIN_NODE_IP_PLACEHOLDER, LaunchPlan
+from .launch_training import TRAINING_COMMANDS
 from .planning.command import add_plan_parser
+from .recipes.check import add_recipes_parser
 from .report.command import add_report_parser
 
 
@@ -78,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(commands)
     add_report_parser(commands)
+    add_recipes_parser(commands)
+    for name, algorithm in TRAINING_COMMANDS.items():
+        commands.add_parser(name, help=f"train with {algorithm} (TRL's `trl {name}` flags; --help lists them)")
 
     model = commands.add_parser("build-default-model", help="rebuild the embedded default model (~2-5 min on CPU)")
     model.add_argument("--output", required=True)
@@ -88,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TRAINING_COMMANDS:
+        # The training commands take the script's own flags (hundreds of config fields): parsed by the script.
+        from .launch_training import run_training_command
+
+        return run_training_command(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     return args.handler(args)
 

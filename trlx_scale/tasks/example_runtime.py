@@ -21,9 +21,11 @@ from transformers import TrainerCallback
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl.models import unwrap_model_for_generation
 
-from .addition import addition_dataset, exact_match_reward
+from .addition import addition_dataset
 from .default_model import default_model_path
 from .evaluation import exact_match_accuracy
+from .recipe_files import recipe_arguments
+from .reward_functions import EXACT_MATCH, resolve_reward_functions
 from .run_summary import RunSummary
 
 
@@ -46,10 +48,26 @@ class TaskScriptArguments(ScriptArguments):
         default=None, metadata={"help": "Use only the first N training prompts (all when unset)."}
     )
     eval_size: int = field(
-        default=600, metadata={"help": "Held-out prompts scored before and after training (0 disables it)."}
+        default=600,
+        metadata={
+            "help": "Held-out prompts scored before and after training (exact match against --answer_column). 0 "
+            "disables it on a dataset of your own; the embedded task then uses its whole held-out split."
+        },
     )
     eval_max_new_tokens: int = field(
         default=8, metadata={"help": "Tokens generated per held-out prompt when measuring accuracy."}
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward functions, as TRL's `trl grpo` names them: accuracy_reward, reasoning_accuracy_reward, "
+            "think_format_reward, get_soft_overlong_punishment, exact_match (against --answer_column), or a dotted "
+            "import path (my_module.my_reward). Unset: exact_match."
+        },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "A reward model (Hub id or local path of a sequence-classification model), as in trl grpo."},
     )
     eval_every_steps: int = field(
         default=50,
@@ -92,12 +110,18 @@ def load_prompt_task(script_args: TaskScriptArguments, seed: int):
         return train, held_out
     dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
     train = dataset[script_args.dataset_train_split]
-    for column in ("prompt", script_args.answer_column):
+    # The answer column serves exact match (the default reward) and the held-out accuracy; with other reward
+    # functions (--reward_funcs accuracy_reward reads "solution") a dataset without it trains, unevaluated.
+    needs_answer = not script_args.reward_funcs or EXACT_MATCH in script_args.reward_funcs
+    needed = ("prompt", script_args.answer_column) if needs_answer else ("prompt",)
+    for column in needed:
         if column not in train.column_names:
             raise ValueError(
                 f"Dataset {script_args.dataset_name!r} has no {column!r} column (columns: {train.column_names}). "
                 "Rename its columns, or pass --answer_column for the answer."
             )
+    if script_args.answer_column not in train.column_names or not script_args.eval_size:
+        return _first_rows(train, script_args.train_size, script_args.dataset_train_split), None
     if script_args.dataset_test_split in dataset:
         held_out = dataset[script_args.dataset_test_split]
     else:
@@ -108,13 +132,15 @@ def load_prompt_task(script_args: TaskScriptArguments, seed: int):
             )
         split = train.train_test_split(test_size=max(script_args.eval_size, 1), seed=seed)
         train, held_out = split["train"], split["test"]
-    check_split_size("--train_size", script_args.train_size, len(train), script_args.dataset_train_split)
     check_split_size("--eval_size", script_args.eval_size or None, len(held_out), "held-out")
-    if script_args.train_size is not None:
-        train = train.select(range(script_args.train_size))
     if script_args.eval_size:
         held_out = held_out.select(range(script_args.eval_size))
-    return train, held_out
+    return _first_rows(train, script_args.train_size, script_args.dataset_train_split), held_out
+
+
+def _first_rows(train, train_size: int | None, split: str):
+    check_split_size("--train_size", train_size, len(train), split)
+    return train if train_size is None else train.select(range(train_size))
 
 
 def check_split_size(flag: str, asked: int | None, available: int, split: str) -> None:
@@ -244,7 +270,7 @@ class Example:
     defaults: the example's own defaults, given the first parse of the flags (None on that first parse), so that a
         default may depend on another flag (DPO's ``--online``) from the command line or a ``--config`` file.
     load_data: (script args, config) -> (train dataset, held-out prompts with an "answer" column, or None).
-    trainer_kwargs: (config, reward function) -> extra keyword arguments of the trainer (e.g. ``reward_funcs``).
+    trainer_kwargs: (config, reward functions) -> extra keyword arguments of the trainer (e.g. ``reward_funcs``).
     """
 
     trainer_cls: type
@@ -252,7 +278,7 @@ class Example:
     defaults: Callable[[Any], dict[str, Any]]
     script_args_cls: type = field(default_factory=lambda: TaskScriptArguments)
     load_data: Callable[[Any, Any], tuple] = field(default_factory=lambda: _load_prompt_data)
-    trainer_kwargs: Callable[[Any, Callable], dict[str, Any]] = field(
+    trainer_kwargs: Callable[[Any, list], dict[str, Any]] = field(
         default_factory=lambda: lambda config, reward: {"reward_funcs": reward}
     )
     reward_key: str = "reward"
@@ -262,9 +288,16 @@ def _load_prompt_data(script_args, config):
     return load_prompt_task(script_args, config.seed)
 
 
+def script_parser(example: Example, prog: str | None = None) -> TrlParser:
+    """TRL's parser over the example's script arguments, the trainer's config and TRL's ``ModelConfig``."""
+    return TrlParser((example.script_args_cls, example.config_cls, ModelConfig), prog=prog)
+
+
 def parse_example_flags(example: Example, argv: list[str]):
-    """(script args, config, model args): TRL's parser over the three dataclasses, with the example's defaults."""
-    parser = TrlParser((example.script_args_cls, example.config_cls, ModelConfig))
+    """(script args, config, model args): TRL's parser over the three dataclasses, with the example's defaults, then
+    a recipe's values (``--recipe NAME`` or ``--config RECIPE.yaml``), then the command line."""
+    argv, recipe_values = recipe_arguments(argv)
+    parser = script_parser(example)
     class_defaults = {f.name: f.default for f in dataclasses.fields(example.config_cls)}
 
     def parse(first_pass):
@@ -273,11 +306,21 @@ def parse_example_flags(example: Example, argv: list[str]):
         if first_pass is not None and getattr(first_pass, "optim_preset", None) is not None:
             defaults.update({name: class_defaults[name] for name in OPTIMIZER_FIELDS})
         defaults.update(cpu_launch_defaults())
-        parser.set_defaults_with_config(**defaults)
+        defaults.update(recipe_values)
+        unused = parser.set_defaults_with_config(**defaults)
+        unknown = [key for key in recipe_values if f"--{key}" in unused]
+        if unknown:
+            raise ValueError(
+                f"the recipe sets {unknown}, which are no fields of {example.config_cls.__name__} "
+                "or of the script's arguments: fix the recipe."
+            )
         return parser.parse_args_and_config(argv)
 
     _, first_config, _ = parse(None)
-    return parse(first_config)
+    script_args, config, model_args = parse(first_config)
+    # `--dataset_name ""` unsets a dataset a recipe or config file named: the embedded task then.
+    script_args.dataset_name = script_args.dataset_name or None
+    return script_args, config, model_args
 
 
 def run_example(example: Example, argv: list[str] | None = None) -> dict:
@@ -287,8 +330,9 @@ def run_example(example: Example, argv: list[str] | None = None) -> dict:
     train_dataset, held_out = example.load_data(script_args, config)
     answer_column = script_args.answer_column
 
-    def reward_exact_match(completions, **columns):
-        return exact_match_reward(completions, answer=columns[answer_column])
+    rewards = resolve_reward_functions(script_args.reward_funcs, answer_column)
+    if script_args.reward_model_name_or_path:
+        rewards = [script_args.reward_model_name_or_path, *rewards]
 
     if model_args.dtype is not None:  # --dtype loads the policy in that dtype in every example
         config.model_init_kwargs = {**(config.model_init_kwargs or {}), "dtype": model_args.dtype}
@@ -297,7 +341,7 @@ def run_example(example: Example, argv: list[str] | None = None) -> dict:
         args=config,
         train_dataset=train_dataset,
         peft_config=get_peft_config(model_args),
-        **example.trainer_kwargs(config, reward_exact_match),
+        **example.trainer_kwargs(config, rewards),
     )
     held_out_column = answer_column if held_out is not None and answer_column in held_out.column_names else "answer"
 
