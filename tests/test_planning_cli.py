@@ -51,7 +51,7 @@ def test_write_produces_a_config_accelerate_loads_and_the_launch_command(tmp_pat
     config = load_config_from_file(str(config_path))
     assert config.num_processes in (1, 2, 4, 8) and config.mixed_precision == "bf16"
     launch = (tmp_path / "launch.sh").read_text()
-    assert f"--config_file {config_path}" in launch and "examples/grpo.py" in launch and "--use_peft false" in launch
+    assert f"trlx-scale grpo --accelerate_config {config_path}" in launch and "--use_peft false" in launch
     assert os.access(tmp_path / "launch.sh", os.X_OK) and "wrote" in out
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # written atomically
 

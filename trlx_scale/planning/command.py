@@ -26,7 +26,8 @@ from .resource_split import (
     continuous_optimum,
 )
 
-EXAMPLE_SCRIPTS = {"grpo": "examples/grpo.py", "ppo": "examples/ppo.py", "dpo": "examples/dpo.py"}
+# The training command of each algorithm (installed with the package: no source checkout needed).
+TRAINING_COMMANDS = {"grpo": "trlx-scale grpo", "ppo": "trlx-scale ppo", "dpo": "trlx-scale dpo"}
 
 
 def add_plan_parser(commands) -> argparse.ArgumentParser:
@@ -303,7 +304,7 @@ def write_launch_files(args: argparse.Namespace, report: PlanReport) -> dict:
     os.makedirs(args.write, exist_ok=True)
     name = f"accelerate_{lay.backend}{'_offload' if lay.offload else ''}_{lay.nodes}x{lay.gpus_per_node}.yaml"
     config_path = os.path.join(args.write, name)
-    script = EXAMPLE_SCRIPTS["dpo" if run.algo in ("dpo", "online-dpo") else run.algo]
+    training = TRAINING_COMMANDS["dpo" if run.algo in ("dpo", "online-dpo") else run.algo]
     flags = [
         f"--per_device_train_batch_size {run.micro_batch}",
         f"--gradient_checkpointing {run.gradient_checkpointing}",
@@ -319,7 +320,7 @@ def write_launch_files(args: argparse.Namespace, report: PlanReport) -> dict:
         flags.insert(0, f"--model_name_or_path {shlex.quote(args.model)}")
     flags.append(f"--use_peft true --lora_r {run.lora_rank}" if run.lora_rank else "--use_peft false")
     machine = " --machine_rank $NODE_RANK" if lay.nodes > 1 else ""
-    command = f"accelerate launch --config_file {config_path}{machine} {script} " + " ".join(flags)
+    command = f"{training} --accelerate_config {config_path}{machine} " + " ".join(flags)
     launch_path = os.path.join(args.write, "launch.sh")
     body = (
         "#!/usr/bin/env bash\n# Written by `trlx-scale plan --write`"
