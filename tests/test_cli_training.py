@@ -90,6 +90,14 @@ def test_script_flags_go_to_the_script_and_the_rest_to_accelerate_launch():
     ]
     launch, _ = split_arguments("dpo", ["--num_processes", "2", "--online"])
     assert launch[0] == "--multi_gpu" and launch[1:3] == ["--num_processes", "2"]
+    # --flag=value counts as --flag value; a launcher mode of the user's is kept alone (Accelerate refuses two).
+    launch, script = split_arguments("grpo", ["--num_processes=2", "--use_deepspeed", "--max_steps=3"])
+    assert launch.count("--num_processes") == 1 and "--multi_gpu" not in launch and script == ["--max_steps", "3"]
+    launch, _ = split_arguments("grpo", ["--accelerate_config=cpu_zero3"])
+    assert launch == ["--config_file", accelerate_config_path("cpu_zero3")]
+    # A recipe brings its Accelerate config when no launch argument is given.
+    launch, script = split_arguments("grpo", ["--recipe", "grpo-full-7b-8xh100-fsdp2"])
+    assert launch == ["--config_file", accelerate_config_path("fsdp2")] and script[0] == "--recipe"
 
 
 def test_bad_reward_names_and_bad_configs_get_clear_errors(tmp_path):
@@ -132,6 +140,7 @@ def _substitute_embedded(recipe_name: str, output_dir) -> list[str]:
     """The recipe with the embedded model and task substituted and the sizes cut to a 2-step CPU run."""
     recipe = load_recipe(recipe_name)
     flags = ["--recipe", recipe_name, "--max_steps", "2", "--output_dir", str(output_dir), "--logging_steps", "1"]
+    flags += ["--num_processes", "1"]  # one CPU process, not the recipe's GPU layout
     flags += ["--bf16", "false", "--dtype", "float32", "--eval_size", "16", "--save_strategy", "no"]
     flags += [
         "--model_name_or_path",

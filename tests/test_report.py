@@ -124,8 +124,8 @@ def test_held_out_curve_scores_every_n_steps_and_keeps_the_random_state():
     torch.manual_seed(0)
     expected = torch.rand(1)
     torch.manual_seed(0)
-    for step in range(1, 7):  # the last step (6) is the run's "after", not a point of the curve
-        curve.on_step_end(None, SimpleNamespace(global_step=step, max_steps=6), None)
+    for completed in range(6):  # steps 1..6 begin after 0..5 completed ones; the run's "after" follows step 6
+        curve.on_step_begin(None, SimpleNamespace(global_step=completed, max_steps=6), None)
     assert curve.points == [(2, 0.5), (4, 0.6)]
     assert torch.equal(torch.rand(1), expected)
     with pytest.raises(ValueError, match="--eval_every_steps must be >= 0"):

@@ -74,6 +74,23 @@ def test_grpo_trainer_sets_every_feature_up(default_model_dir, tmp_path):
     assert trainer.policy_version == 1
 
 
+def test_weights_loaded_from_a_checkpoint_are_sent_to_the_engine_again(default_model_dir, tmp_path):
+    """A checkpoint (or the best model at the end) replaces the weights outside the optimizer: whatever the version
+    numbers say, the engine no longer serves them, and its next round syncs."""
+    from trlx_scale.tasks import addition_dataset, exact_match_reward
+
+    args = small_grpo_config(
+        tmp_path, use_vllm=True, vllm_mode="colocate", max_steps=1, save_strategy="steps", save_steps=1
+    )
+    trainer = GRPOTrainer(default_model_dir, exact_match_reward, args, train_dataset=addition_dataset("train", size=8))
+    trainer.train()
+    engine = trainer.vllm_generation
+    assert engine.served_version == 0 and trainer.policy_version == 1
+    trainer._load_from_checkpoint(str(tmp_path / "checkpoint-1"))
+    assert engine.served_version is None
+    assert engine.ensure_version(trainer.policy_version) and engine.served_version == 1
+
+
 def _unanimous_reward(completions, **kwargs):
     """Every sample of every prompt scores the same: no preference pair in any batch."""
     return [1.0] * len(completions)

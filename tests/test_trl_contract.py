@@ -27,6 +27,7 @@ NEW_METHODS = {
         "_choose_logprob_pass",
         "_record_pass",
         "_rollout_engine",
+        "_policy_engine",
         "_before_log",
         "_defers_old_logprobs",
         "_deferred_correction",
@@ -43,6 +44,7 @@ NEW_METHODS = {
         "_planner_num_generations",
         "_planner_extra_roles",
         "_training_step",
+        "_policy_engine",
         "_save_extra_state",
         "_load_extra_state",
     },
@@ -168,10 +170,12 @@ def test_reliability_and_hub_mixins_override_trainer_methods_that_still_exist():
     from trlx_scale.hub.push import HubPushMixin
     from trlx_scale.reliability.checkpoints import AtomicCheckpointMixin
     from trlx_scale.reliability.nonfinite_guard import NonFiniteGuardMixin
+    from trlx_scale.rollout.policy_version import PolicyVersionMixin
     from trlx_scale.trainer.features import TrainerFeatures
 
     overrides = {
         TrainerFeatures: ("training_step", "log"),
+        PolicyVersionMixin: ("_load_from_checkpoint", "_load_best_model"),
         NonFiniteGuardMixin: ("_get_grad_norm",),
         AtomicCheckpointMixin: (
             "train",

@@ -3,13 +3,13 @@
     trlx-scale grpo --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl-lib/DeepMath-103K \\
         --reward_funcs accuracy_reward --accelerate_config zero3
     trlx-scale grpo                                   # the embedded model on the embedded task, as `make run`
-    trlx-scale grpo --recipe grpo-lora-1.5b-1xh100    # a shipped recipe (`trlx-scale recipes` lists them)
+    trlx-scale grpo --recipe grpo-lora-1.5b-math-1xh100   # a shipped recipe, with its Accelerate config
 
 Every argument the training script knows (its script arguments, every field of the trainer's config, TRL's
 ``ModelConfig``; ``--config FILE.yaml``; ``--recipe NAME``) goes to the script; the others go to ``accelerate
 launch`` (``--num_processes``, ``--machine_rank``, ...). ``--accelerate_config`` takes a file or the name of a config
 shipped in the package (``trlx_scale/accelerate_configs``: single_gpu, ddp, fsdp2, zero3, multinode_*, cpu_ddp,
-cpu_zero3, ...). The script is the package's own (``trlx_scale/scripts/<algo>.py``, also ``examples/<algo>.py`` in a
+cpu_zero3, ...); a ``--recipe`` brings its own when no launch argument is given. The script is the package's own (``trlx_scale/scripts/<algo>.py``, also ``examples/<algo>.py`` in a
 source checkout): one code path.
 """
 
@@ -69,9 +69,27 @@ def _without(arguments: list[str], removed: list[str]) -> list[str]:
     return kept
 
 
+def _split_equals(argv: list[str]) -> list[str]:
+    """``--flag=value`` as ``--flag value``, so that every flag is seen whichever form it was given in."""
+    split = []
+    for argument in argv:
+        if argument.startswith("--") and "=" in argument:
+            split.extend(argument.split("=", 1))
+        else:
+            split.append(argument)
+    return split
+
+
+# Accelerate's launcher modes: at most one of them (it refuses two), and --multi_gpu only when none was chosen.
+LAUNCH_MODES = ("--cpu", "--multi_gpu", "--use_deepspeed", "--use_fsdp", "--tpu", "--use_megatron_lm")
+
+
 def split_arguments(command: str, argv: list[str]) -> tuple[list[str], list[str]]:
     """(accelerate launch arguments, training script arguments) of ``trlx-scale <command> ARGV``."""
+    from .recipes.catalog import load_recipe
     from .tasks.example_runtime import script_parser
+
+    argv = _split_equals(argv)
 
     example = importlib.import_module(f"trlx_scale.scripts.{command}").EXAMPLE
     parser = script_parser(example, prog=f"trlx-scale {command}")
@@ -81,6 +99,8 @@ def split_arguments(command: str, argv: list[str]) -> tuple[list[str], list[str]
     # What the script does not know is Accelerate's (TRL's CLI splits the same way).
     *_, unknown = parser.parse_known_args(_config_free(argv))
     launch = list(unknown)
+    if not launch and "--recipe" in argv and argv.index("--recipe") + 1 < len(argv):
+        launch = [ACCELERATE_CONFIG_FLAG, load_recipe(argv[argv.index("--recipe") + 1]).meta["accelerate_config"]]
     if ACCELERATE_CONFIG_FLAG in launch:
         index = launch.index(ACCELERATE_CONFIG_FLAG)
         if index + 1 >= len(launch):
@@ -91,7 +111,8 @@ def split_arguments(command: str, argv: list[str]) -> tuple[list[str], list[str]
         for flag, value in SINGLE_PROCESS_LAUNCH.items():
             if flag not in launch:
                 launch += [flag, value]
-        if launch[launch.index("--num_processes") + 1] != "1":
+        several = launch[launch.index("--num_processes") + 1] != "1"
+        if several and not any(mode in launch for mode in LAUNCH_MODES):
             launch.insert(0, "--multi_gpu")  # several processes without a config: data parallel, as `make run` does
     return launch, _without(argv, unknown)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..optim.preset_fields import uses_fp32_master_weights
 from ..options import option, registers_options
 from .engine_options import (
     ENGINE_DTYPES,
@@ -109,7 +110,7 @@ def engine_dtype(args, model_dtype: torch.dtype | None = None) -> str:
     requested = option(args, "vllm_dtype")
     if requested != "trainer":
         return requested
-    if getattr(args, "bf16", False) or option(args, "uses_fp32_master_weights"):
+    if getattr(args, "bf16", False) or uses_fp32_master_weights(args):
         return "bfloat16"
     if getattr(args, "fp16", False):
         return "float16"

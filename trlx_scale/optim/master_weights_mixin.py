@@ -10,6 +10,7 @@ import torch
 
 from ..options import option
 from .master_weights import FP32MasterAdamW, cast_for_master_weights
+from .preset_fields import uses_fp32_master_weights
 from .presets import describe, get_preset
 
 
@@ -19,14 +20,14 @@ class MasterWeightsMixin:
     @property
     def _uses_master_optimizer(self) -> bool:
         """fp32 masters in our optimizer: single device and DDP (FSDP2/ZeRO-3 keep their own masters)."""
-        uses = option(self.args, "uses_fp32_master_weights")
+        uses = uses_fp32_master_weights(self.args)
         return uses and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
 
     def _setup_master_weights(self) -> None:
         args = self.args
         if option(args, "optim_preset_values") is not None:
             self.accelerator.print(describe(args.optim_preset_values, get_preset(args.optim_preset)))
-        if not option(args, "uses_fp32_master_weights"):
+        if not uses_fp32_master_weights(args):
             return
         if self.optimizer is not None:
             raise ValueError(

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from ..options import option
+from ..optim.preset_fields import uses_fp32_master_weights
 from .held_memory import held_gib, local_bytes
 from .memory_model import GIB, Layout, Plan, RunSpec, role_memory
 from .model_shape import ModelShape
@@ -149,7 +149,7 @@ class PlannedMemoryMixin:
             self._model_shape_cache = ModelShape.from_config(unwrapped.config, params=total)
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
         dtype = next((p.dtype for p in params if p.requires_grad), torch.float32)
-        masters = bool(option(self.args, "uses_fp32_master_weights"))
+        masters = uses_fp32_master_weights(self.args)
         if dtype == torch.float32:
             precision = "fp32"
         else:

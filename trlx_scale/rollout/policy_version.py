@@ -31,9 +31,31 @@ class PolicyVersionMixin:
         self.add_callback(_CountPolicyUpdates(self))
 
     def _weights_were_updated(self) -> bool:
-        """Whether the optimizer step that just ran changed the weights (the non-finite guard may have skipped it)."""
+        """Whether the optimizer step that just ran changed the weights: unless the non-finite guard skipped it.
+        DeepSpeed steps inside ``backward``, before the guard decides: there every step counts."""
+        if getattr(self, "is_deepspeed_enabled", False):
+            return True
         guard = getattr(self, "_nonfinite_guard", None)
         return not (guard is not None and guard["skip"])
+
+    def _policy_engine(self):
+        """Seam: the engine that serves this trainer's policy, if any (GRPO/PPO: the colocated one; DPO: its own)."""
+        return None
+
+    def _weights_replaced(self) -> None:
+        """Weights loaded from outside the optimizer (a checkpoint, the best model at the end): whatever the version
+        numbers say, no engine serves them yet."""
+        engine = self._policy_engine()
+        if engine is not None:
+            engine.served_version = None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._weights_replaced()
+
+    def _load_best_model(self) -> None:
+        super()._load_best_model()
+        self._weights_replaced()
 
     def _save_extra_state(self, checkpoint_dir: str) -> None:
         super()._save_extra_state(checkpoint_dir)

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from trl import DPOConfig as TRLDPOConfig
 
 from ..generation.engine_fields import ColocatedEngineFields
+from ..optim.preset_fields import OptimizerPresetFields
 from ..options import registers_options
 from .shared_fields import (
     HubFields,
-    OptimizerPresetFields,
     ProfilingFields,
     ReliabilityFields,
 )

@@ -193,6 +193,9 @@ class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
             )
         return self._engine
 
+    def _policy_engine(self) -> RolloutEngine | None:
+        return self._engine
+
     # ------------------------------------------------------------------ reference log-probs from vLLM
 
     # What the memory planner needs to know of this run (trlx_scale.planning.trainer_memory).

@@ -9,10 +9,10 @@ from trl import GRPOConfig as TRLGRPOConfig
 from ..generation.engine_fields import ColocatedEngineFields
 from ..losses.policy_losses import LEVELS
 from ..losses.recipes import LENGTH_WEIGHTED_LOSSES, RECIPES, apply_recipe
+from ..optim.preset_fields import OptimizerPresetFields
 from ..options import registers_options
 from .shared_fields import (
     HubFields,
-    OptimizerPresetFields,
     ProfilingFields,
     ReliabilityFields,
 )

@@ -484,6 +484,9 @@ class GRPOTrainer(TrainerFeatures, TRLGRPOTrainer):
         engine = getattr(self, "vllm_generation", None)
         return engine if isinstance(engine, RolloutEngine) else None
 
+    def _policy_engine(self) -> RolloutEngine | None:
+        return self._rollout_engine()
+
     def _before_log(self) -> None:
         # The gap between vLLM's and the trainer's log-probs of the sampled tokens, right after a sync: TRL measures
         # it (as the importance-sampling diagnostic) whenever it computes the trainer's log-probs; it is exposed

@@ -33,6 +33,7 @@ How each role is distributed (docs/ppo.md has the table and the memory per GPU):
 from __future__ import annotations
 
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -450,6 +451,7 @@ class PPOTrainer(GRPOTrainer):
         result = set_peft_model_state_dict(self._policy(), load_file(path), adapter_name=self.critic.policy_adapter)
         if result.unexpected_keys:
             raise ValueError(f"{path} holds tensors this policy lacks: {result.unexpected_keys[:3]}")
+        self._weights_replaced()  # this branch replaces transformers' load, and the policy version feature's hook
 
 
 PPO_STATE_NAME = "ppo_state.pt"
@@ -457,13 +459,16 @@ LOSS_PASS_LOGPS_KEY = "loss_pass_per_token_logps"  # set and taken out within on
 
 
 class _StepCriticWithPolicy(TrainerCallback):
-    """Steps the critic's optimizer right after each policy optimizer step (same gradient accumulation)."""
+    """Steps the critic's optimizer right after each policy optimizer step (same gradient accumulation). Holds the
+    trainer weakly (no trainer <-> callback cycle: see profiling's _StepClock)."""
 
     def __init__(self, trainer: PPOTrainer):
-        self.trainer = trainer
+        self._trainer = weakref.ref(trainer)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._step_critic()
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer._step_critic()
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
