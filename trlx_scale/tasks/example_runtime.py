@@ -360,13 +360,15 @@ def run_example(example: Example, argv: list[str] | None = None) -> dict:
     every = script_args.eval_every_steps
     every = (EMBEDDED_TASK_EVAL_EVERY if script_args.dataset_name is None else 0) if every is None else every
     curve = HeldOutAccuracyCurve(accuracy, every)
-    if summary.accuracy_before is not None:
+    evaluated = summary.accuracy_before is not None
+    if evaluated:
         trainer.add_callback(curve)
     start = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=resume_argument(config.resume_from_checkpoint))
     finally:
-        trainer.remove_callback(curve)  # its closure holds the trainer: no trainer <-> callback cycle is left
+        if evaluated:
+            trainer.remove_callback(curve)  # its closure holds the trainer: no trainer <-> callback cycle is left
     summary.train_seconds = time.perf_counter() - start - curve.seconds
     summary.accuracy_after = accuracy()
     if summary.accuracy_before is not None:
