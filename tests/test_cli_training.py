@@ -11,8 +11,8 @@ import venv
 import pytest
 
 from trlx_scale.launch_training import accelerate_config_path, shipped_accelerate_configs, split_arguments
+from trlx_scale.recipe_check import check_recipe
 from trlx_scale.recipes import load_recipe, recipe_names
-from trlx_scale.recipes.check import check_recipe
 
 from .helpers.launch import REPO_ROOT, launch_env, read_run_summary
 

@@ -21,7 +21,7 @@ from .atomic_files import write_text_atomically
 from .launch_config import BACKENDS, MAIN_NODE_IP_PLACEHOLDER, LaunchPlan
 from .launch_training import TRAINING_COMMANDS
 from .planning.command import add_plan_parser
-from .recipes.check import add_recipes_parser
+from .recipe_check import add_recipes_parser
 from .report.command import add_report_parser
 
 

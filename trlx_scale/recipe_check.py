@@ -14,11 +14,11 @@ import importlib
 import sys
 from dataclasses import dataclass
 
-from ..planning.hardware import resolve_accelerator
-from ..planning.memory_model import Plan, RunSpec
-from ..planning.model_shape import ModelShape
-from ..planning.planner import plan
-from .catalog import Recipe
+from .planning.hardware import resolve_accelerator
+from .planning.memory_model import Plan, RunSpec
+from .planning.model_shape import ModelShape
+from .planning.planner import plan
+from .recipes.catalog import Recipe
 
 # The backend (and offload) each shipped Accelerate config runs.
 BACKEND_OF_CONFIG = {
@@ -63,7 +63,7 @@ class RecipeCheck:
 def parsed_config(recipe: Recipe, cpu_only: bool):
     """The recipe's config block through the training script's own parser (every key must be a field). On a
     machine without a GPU the bf16 switches are turned off for the parse (TrainingArguments refuses bf16 there)."""
-    from ..tasks.example_runtime import script_parser
+    from .tasks.example_runtime import script_parser
 
     example = importlib.import_module(f"trlx_scale.scripts.{recipe.command}").EXAMPLE
     parser = script_parser(example)
@@ -157,8 +157,8 @@ def add_recipes_parser(commands) -> argparse.ArgumentParser:
 
 
 def run_recipes(args: argparse.Namespace) -> int:
-    from ..generation.cpu_environment import running_on_cpu_only
-    from .catalog import load_recipe, recipe_names
+    from .generation.cpu_environment import running_on_cpu_only
+    from .recipes.catalog import load_recipe, recipe_names
 
     names = args.names or recipe_names()
     try:
