@@ -115,10 +115,8 @@ class RolloutBatch:
         """Back to TRL's dict, keys in TRL's order (then the ones added here), plus the per-row policy version."""
         values = {key: getattr(self, key) for key in _TYPED_KEYS}
         values.update(self.extras)
-        order = self._key_order + [k for k in values if k not in self._key_order]
-        trl = {
-            key: values[key] for key in order if key in values and (key in self._key_order or values[key] is not None)
-        }
+        added = [key for key in values if key not in self._key_order and values[key] is not None]
+        trl = {key: values[key] for key in [*self._key_order, *added]}
         device = self.completion_ids.device
         trl[POLICY_VERSION_KEY] = torch.full((self.num_rows,), self.policy_version, dtype=torch.long, device=device)
         return trl

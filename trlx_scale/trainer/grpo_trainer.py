@@ -1,7 +1,7 @@
 """``GRPOTrainer``: a drop-in subclass of ``trl.GRPOTrainer``.
 
-Same constructor, same behaviour, while no trlx_scale option is on (the defaults that differ from TRL's, and why,
-are listed in docs/configuration.md). The rollout path:
+Same constructor, same computation, while no trlx_scale option is on (the defaults that differ from TRL's, and why,
+are listed in docs/defaults.md). The rollout path:
 
     engine (``generation.engine.RolloutEngine``: generate, at the trainer's policy version)
     -> ``rollout.RolloutBatch`` (TRL's rewards and advantages, then ``_finish_rollout``: PPO's values and GAE)
