@@ -30,4 +30,15 @@ class PaddedPass:
             compute_aux_loss=request.compute_aux_loss,
             **request.extra_inputs,
         )
-        return PassResult(logps, entropies, aux_loss, row_lengths=request.attention_mask.sum(dim=-1).detach())
+        rows, width = request.input_ids.shape
+        chunk = request.batch_size or rows
+        return PassResult(
+            logps,
+            entropies,
+            aux_loss,
+            row_lengths=request.attention_mask.sum(dim=-1).detach(),
+            processed_tokens=float(rows * width),
+            real_tokens=float(request.attention_mask.sum()),
+            forwards=-(-rows // chunk),
+            row_tokens=width,
+        )

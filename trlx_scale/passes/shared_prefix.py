@@ -281,7 +281,8 @@ class SharedPrefixPass:
         rows, keep = request.input_ids.size(0), request.logits_to_keep
         batch_size = request.batch_size or rows
         all_logps, all_entropies, chunk_ratios = [], [], []
-        rows_tokens = processed_tokens = 0.0
+        rows_tokens = processed_tokens = shared_positions = 0.0
+        fallbacks: list[PassResult] = []
         for start in range(0, rows, batch_size):
             chunk = request.rows(start, start + batch_size)
             ids, mask = chunk.input_ids, chunk.attention_mask
@@ -294,9 +295,11 @@ class SharedPrefixPass:
             used = shared is not None
             if not used:
                 result = self._padded.run(model, chunk)
+                fallbacks.append(result)
                 shared = (result.logps, result.entropies)
             # Tokens the padded pass would process over tokens this one did: how much the sharing pays.
             ratio = shared_token_ratio(ids, mask, keep) if used else 1.0
+            shared_positions += ids.numel() / ratio if used else 0.0
             chunk_ratios.append(ratio)
             rows_tokens += float(mask.sum())
             processed_tokens += float(mask.sum()) / ratio
@@ -309,4 +312,8 @@ class SharedPrefixPass:
             row_lengths=request.attention_mask.sum(dim=-1).detach(),
             token_ratio=rows_tokens / max(processed_tokens, 1.0),
             chunk_token_ratios=chunk_ratios,
+            processed_tokens=float(sum(r.processed_tokens for r in fallbacks)) + shared_positions,
+            real_tokens=rows_tokens,
+            forwards=len(chunk_ratios),
+            row_tokens=request.input_ids.size(1),
         )

@@ -4,7 +4,8 @@
 - ``SharedBaseCritic``: a second LoRA adapter ("critic") on the policy's PEFT model plus a value head, so actor,
   critic and reference (the base with adapters disabled) share one frozen base.
 
-Both return one value per position: ``values(input_ids, attention_mask)[:, t]`` is the value of the state after
+Both return one value per position: ``values(input_ids, attention_mask)[:, t]`` (or of packed rows:
+``values(input_ids, None, position_ids)``) is the value of the state after
 token t, i.e. before the token at t + 1 is sampled.
 """
 
@@ -64,13 +65,20 @@ class SeparateCritic(nn.Module):
         if output is not None and output.weight is not embedding.weight:
             output.weight.requires_grad_(False)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # The forward is the values, so that a DDP wrapper or a DeepSpeed engine around the critic runs it.
-        hidden = _backbone(self.model)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        # Packed rows (passes.packed_rows) come with position_ids and no attention mask.
+        hidden = _backbone(self.model)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return self.head(hidden)
 
-    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self(input_ids, attention_mask)
+    def values(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self(input_ids, attention_mask, position_ids)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -142,9 +150,13 @@ class SharedBaseCritic(nn.Module):
             for layer in layers:
                 layer.gradient_checkpointing = True
 
-    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def values(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         with self._critic_active(), self._without_recomputation():
-            hidden = _backbone(self.peft_model)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden = _backbone(self.peft_model)(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
         return self.head(hidden)
 
     def adapter_parameters(self) -> list[nn.Parameter]:

@@ -125,9 +125,11 @@ class DistributedCritic:
         else:
             raise ValueError(f"Unknown critic backend {backend.kind!r}: use 'single', 'ddp', 'deepspeed' or 'fsdp2'.")
 
-    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def values(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """V at every position, through the wrapper (so DDP and ZeRO-3 see the forward)."""
-        return self.module(input_ids, attention_mask)
+        return self.module(input_ids, attention_mask, position_ids)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return self.critic.trainable_parameters()

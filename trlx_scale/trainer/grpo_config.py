@@ -11,6 +11,7 @@ from ..losses.policy_losses import LEVELS
 from ..losses.recipes import LENGTH_WEIGHTED_LOSSES, RECIPES, apply_recipe
 from ..optim.preset_fields import OptimizerPresetFields
 from ..options import registers_options
+from ..passes.packing_fields import PackingFields
 from .shared_fields import (
     HubFields,
     ProfilingFields,
@@ -21,7 +22,13 @@ from .shared_fields import (
 @registers_options()
 @dataclass
 class GRPOConfig(
-    ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields, HubFields, TRLGRPOConfig
+    ColocatedEngineFields,
+    OptimizerPresetFields,
+    PackingFields,
+    ProfilingFields,
+    ReliabilityFields,
+    HubFields,
+    TRLGRPOConfig,
 ):
     r"""
     Configuration for [`trlx_scale.GRPOTrainer`]: every field of [`trl.GRPOConfig`], same names, same defaults, same
@@ -33,6 +40,7 @@ class GRPOConfig(
     - engine fields shared with `DPOConfig`/`PPOConfig` (`ColocatedEngineFields`): `vllm_cpu_kvcache_space`,
       `vllm_dtype`, `vllm_enforce_eager`, `vllm_sync_mode`, `vllm_sleep_level`, `vllm_sync_bucket_mb`;
     - optimizer fields shared with them (`OptimizerPresetFields`): `optim_preset`, `fp32_master_weights`;
+    - packing fields shared with them (`PackingFields`): `padding_free`, `max_tokens_per_microbatch`;
     - GRPO's own: `offload_optimizer_during_generation`, `loss_recipe` (`"gspo"`), `shared_prefix`,
       `old_logprobs_from_loss_pass`; and
       `importance_sampling_level` also accepts `"sequence_token"` (GSPO-token).
@@ -90,6 +98,7 @@ class GRPOConfig(
         self.validate_profiling_fields()
         self.validate_reliability_fields()
         self.validate_hub_fields()
+        self.validate_packing_fields()
         if self.importance_sampling_level not in LEVELS:
             raise ValueError(
                 f"importance_sampling_level must be one of {LEVELS}, got {self.importance_sampling_level!r}."

@@ -38,12 +38,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers.utils import logging
 from trl.models.utils import prepare_deepspeed, prepare_fsdp
 from trl.trainer.utils import add_fused_lm_head
 
 from ..losses.value_loss import clipped_value_loss
 from ..optim.master_weights import FP32MasterAdamW
 from ..optim.presets import get_preset
+from ..options import option
+from ..passes.packed_rows import PackedRows
+from ..passes.packing_support import packing_unsupported_reason
 from ..peft_models import is_peft_model
 from ..ppo.advantages import gae, kl_penalty_rewards, masked_whiten, per_token_kl
 from ..ppo.critic import VALUE_HEAD_MODULE, SeparateCritic, SharedBaseCritic, critic_state, load_critic_state
@@ -57,6 +61,8 @@ if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
     from peft import PeftConfig
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.get_logger(__name__)
 
 
 class PPOTrainer(GRPOTrainer):
@@ -323,14 +329,43 @@ class PPOTrainer(GRPOTrainer):
 
     def _values(self, input_ids, attention_mask, length, chunk_size: int | None = None) -> torch.Tensor:
         """V before each completion token: the value at the position that precedes it. ``chunk_size`` rows at a time
-        (the rollout's no-grad pass, like TRL's log-prob pass) so activations stay a micro-batch's."""
+        (the rollout's no-grad pass, like TRL's log-prob pass) so activations stay a micro-batch's. With
+        ``padding_free`` the critic runs on the policy passes' packed rows (``passes.packed_rows``)."""
         critic = self.critic_training if self.critic_training is not None else self.critic
+        if self._padding_free_enabled(self.model) and self._critic_packable():
+            return self._packed_values(critic, input_ids, attention_mask, length, chunk_size)
         chunk_size = chunk_size or input_ids.size(0)
         chunks = [
             critic.values(input_ids[start : start + chunk_size], attention_mask[start : start + chunk_size])
             for start in range(0, input_ids.size(0), chunk_size)
         ]
         return torch.cat(chunks)[:, -length - 1 : -1]
+
+    def _packed_values(self, critic, input_ids, attention_mask, length, chunk_size: int | None) -> torch.Tensor:
+        max_tokens = option(self.args, "max_tokens_per_microbatch")
+        forward_tokens = None if chunk_size is None else chunk_size * input_ids.size(1)
+        if max_tokens is not None:
+            forward_tokens = min(forward_tokens or max_tokens, max_tokens)
+        rows = PackedRows.build(
+            input_ids, attention_mask, length, max_tokens=max_tokens, forward_tokens=forward_tokens
+        )
+        outputs = [critic.values(f.input_ids, None, f.position_ids) for f in rows.forwards]
+        values = rows.position_values(outputs)
+        # Sharded critics: as many forwards as the rank with the most (see passes.packed), the extra ones times zero.
+        for _ in range(self._agree_max(len(rows.forwards)) - len(rows.forwards)):
+            dummy = input_ids[:1, :2]
+            values = values + 0.0 * critic.values(dummy, None, torch.arange(2, device=dummy.device)[None]).sum()
+        return values[:, -length - 1 : -1]
+
+    def _critic_packable(self) -> bool:
+        """The critic's own model passes the static packing gate (its backbone can differ from the policy's)."""
+        if getattr(self, "_critic_packing_decision", None) is None:
+            model = self.critic.model if isinstance(self.critic, SeparateCritic) else self.critic.peft_model
+            reason = packing_unsupported_reason(model, self.accelerator.device.type)
+            if reason is not None:
+                logger.warning("padding_free: the critic runs on padded rows: %s.", reason)
+            self._critic_packing_decision = reason is None
+        return self._critic_packing_decision
 
     def _defers_old_logprobs(self) -> bool:
         # The rollout needs the old-policy log-probs themselves (the KL-penalized rewards), before any loss pass.

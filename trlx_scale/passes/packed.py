@@ -1,0 +1,89 @@
+"""``PackedPass``: the log-prob pass over padding-free packed rows (``packed_rows``), behind ``LogProbPass``.
+
+The request's rows keep their micro-batch (TRL's): packing changes how they go through the model, not which rows a
+loss sees, so every TRL ``loss_type``'s normaliser (per sequence, per token of the micro-batch, ``dapo``'s global
+count) and GSPO's are the padded pass's, and the log-probs come back on the padded grid, equal up to float rounding
+(tests/test_packing.py: every loss type, GRPO/PPO/DPO, 1 and 2 processes).
+
+Sharded parameters (ZeRO-3, FSDP2): each forward gathers weights with collectives, so every rank runs as many
+forwards as the rank with the most (``agree_max``); a rank with fewer runs a two-token dummy forward whose output
+enters the result times zero, so its backward (and its collectives) run too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .logprob_pass import PassRequest, PassResult
+from .packed_rows import PackedRows
+
+
+class PackedPass:
+    """Args:
+    padded: the pass for requests packing does not cover (a router loss, image inputs): ``PaddedPass``.
+    agree_max: the largest of the ranks' values (the identity when parameters are not sharded).
+    autocast: the trainer's autocast context (``accelerator.autocast``).
+    max_tokens: ``max_tokens_per_microbatch``: the most tokens of one packed row (None: the longest sample's).
+    """
+
+    name = "packed"
+
+    def __init__(self, padded, agree_max: Callable[[int], int], autocast: Callable, max_tokens: int | None = None):
+        self._padded = padded
+        self._agree_max = agree_max
+        self._autocast = autocast
+        self._max_tokens = max_tokens
+
+    def run(self, model: torch.nn.Module, request: PassRequest) -> PassResult:
+        if request.has_extra_inputs:
+            return self._padded.run(model, request)
+        ids, mask = request.input_ids, request.attention_mask
+        # TRL's chunk (``batch_size`` rows of the padded width) bounds the tokens of one forward.
+        forward_tokens = None if request.batch_size is None else request.batch_size * ids.size(1)
+        if self._max_tokens is not None:
+            forward_tokens = min(forward_tokens or self._max_tokens, self._max_tokens)
+        rows = PackedRows.build(
+            ids, mask, request.logits_to_keep, max_tokens=self._max_tokens, forward_tokens=forward_tokens
+        )
+        logps, entropies = [], []
+        for forward in rows.forwards:
+            with self._autocast():
+                outputs = model(
+                    input_ids=forward.input_ids,
+                    position_ids=forward.position_ids,
+                    labels=forward.labels,
+                    fused_lm_head=True,
+                    use_cache=False,  # a cache turns transformers' packing detection off
+                )
+            logps.append(outputs.log_probs)
+            if request.compute_entropy:
+                entropies.append(outputs.entropy)
+        result_logps = rows.completion_values(logps)
+        dummies = self._agree_max(len(rows.forwards)) - len(rows.forwards)
+        for _ in range(dummies):
+            result_logps = result_logps + 0.0 * self._dummy_forward(model, ids)
+        return PassResult(
+            logps=result_logps,
+            entropies=rows.completion_values(entropies) if request.compute_entropy else None,
+            aux_loss=None,
+            row_lengths=rows.lengths.detach(),
+            processed_tokens=rows.processed_tokens,
+            real_tokens=rows.real_tokens,
+            forwards=len(rows.forwards),
+            oversize_samples=rows.oversize,
+            row_tokens=rows.row_tokens,
+        )
+
+    def _dummy_forward(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """A two-token forward that keeps this rank's collectives in step with the others'; returns its scalar."""
+        tokens = ids[:1, :2] if ids.size(1) >= 2 else ids.new_zeros(1, 2)
+        labels = tokens.clone()
+        labels[:, 0] = -100
+        positions = torch.arange(2, device=ids.device).unsqueeze(0)
+        with self._autocast():
+            outputs = model(
+                input_ids=tokens, position_ids=positions, labels=labels, fused_lm_head=True, use_cache=False
+            )
+        return outputs.log_probs.sum()

@@ -1,0 +1,143 @@
+"""``PackedRows``: a batch of padded (prompt, completion) rows laid out padding-free, and the way back.
+
+TRL's rows are ``[left-padded prompt | right-padded completion]``, every row as wide as the longest. Here each
+sample's real tokens (its ``attention_mask``) are concatenated into packed rows with ``position_ids`` restarting at
+0 for every sample and **no** ``attention_mask``: transformers then detects the packing from the positions and gives
+each sample a block of its own (``masking_utils.find_packed_sequence_indices``; flash-attention's varlen path on GPU
+reads the same positions). Two things turn that detection off and let samples attend to each other: a KV cache and
+any attention mask, an all-ones one included; the forwards here pass neither (``use_cache=False``), and
+``packing_support.check_packing_isolated`` verifies once per run, on the model itself, that samples stay apart.
+
+The micro-batch planner (``micro_batch_plan``) cuts the samples into bins of at most ``row_tokens`` tokens; each bin
+is one packed row, completed to ``row_tokens`` by one filler segment (its own positions from 0, no label), so the
+only tokens processed that no sample owns are the bins' slack. Rows go through the model ``rows_per_forward`` at a
+time. Per-position outputs come back to the padded grid with ``to_grid`` (zeros where the grid has padding), so the
+loss, its masks and its normalisers see exactly the tensors of the padded pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .micro_batch_plan import plan_micro_batches
+
+
+@dataclass
+class PackedForward:
+    """One forward: ``input_ids``/``position_ids``/``labels`` (rows, row_tokens); ``labels`` is -100 except at the
+    scored (completion) tokens, in TRL's convention (the fused LM head shifts them)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    sample_tokens: torch.Tensor  # (rows, row_tokens) bool: the positions a sample owns (not the filler)
+
+    @property
+    def scored(self) -> torch.Tensor:
+        """Where the fused head's (rows, row_tokens - 1) outputs hold a scored token's value."""
+        return self.labels[:, 1:] != -100
+
+
+@dataclass
+class PackedRows:
+    """The packed layout of one request (see the module docstring)."""
+
+    forwards: list[PackedForward]
+    order: torch.Tensor  # the samples in packed order (row by row, forward by forward)
+    lengths: torch.Tensor  # (rows of the grid,) real tokens of each sample
+    grid_mask: torch.Tensor  # (rows, width) the padded grid's attention mask, bool
+    completion_width: int
+    row_tokens: int
+    oversize: int  # samples longer than the token budget (each alone in its row)
+
+    @classmethod
+    def build(
+        cls,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        completion_width: int,
+        *,
+        max_tokens: int | None = None,
+        forward_tokens: int | None = None,
+    ) -> PackedRows:
+        """Pack the rows of a padded batch. ``completion_width``: its last columns that are the completion (TRL's
+        ``logits_to_keep``); ``max_tokens``: the most tokens in one packed row (None: the longest sample, so no
+        packed row is wider than the padded one); ``forward_tokens``: the most tokens in one forward (None: all
+        rows at once)."""
+        mask = attention_mask.bool()
+        lengths = mask.sum(dim=-1)
+        length_list = lengths.tolist()
+        longest = max(length_list, default=1)
+        row_tokens = max(longest, 1) if max_tokens is None else max_tokens
+        plan = plan_micro_batches(length_list, num_ranks=1, max_tokens=row_tokens)
+        bins = [b for b in plan.micro_batches[0] if b]
+        row_tokens = max(row_tokens, longest)  # an oversize sample widens the rows it shares a forward with
+        rows_per_forward = len(bins) if forward_tokens is None else max(1, forward_tokens // row_tokens)
+
+        completion = torch.zeros_like(mask)
+        completion[:, -completion_width:] = True
+        positions = mask.long().cumsum(dim=-1) - 1  # each sample's own positions, from 0
+        labels_grid = input_ids.masked_fill(~(mask & completion), -100)
+        tokens = [input_ids[i][mask[i]] for i in range(input_ids.size(0))]
+        sample_positions = [positions[i][mask[i]] for i in range(input_ids.size(0))]
+        sample_labels = [labels_grid[i][mask[i]] for i in range(input_ids.size(0))]
+
+        forwards = []
+        for start in range(0, len(bins), rows_per_forward):
+            ids_rows, pos_rows, label_rows, owned_rows = [], [], [], []
+            for packed in bins[start : start + rows_per_forward]:
+                slack = row_tokens - sum(length_list[i] for i in packed)
+                filler = input_ids.new_zeros(slack)
+                ids_rows.append(torch.cat([*(tokens[i] for i in packed), filler]))
+                pos_rows.append(torch.cat([*(sample_positions[i] for i in packed), torch.arange(slack).to(filler)]))
+                label_rows.append(torch.cat([*(sample_labels[i] for i in packed), filler.new_full((slack,), -100)]))
+                owned = torch.ones(row_tokens, dtype=torch.bool, device=input_ids.device)
+                owned[row_tokens - slack :] = False
+                owned_rows.append(owned)
+            forwards.append(
+                PackedForward(
+                    torch.stack(ids_rows), torch.stack(pos_rows), torch.stack(label_rows), torch.stack(owned_rows)
+                )
+            )
+        order = torch.tensor([i for packed in bins for i in packed], dtype=torch.long, device=input_ids.device)
+        return cls(
+            forwards=forwards,
+            order=order,
+            lengths=lengths,
+            grid_mask=mask,
+            completion_width=completion_width,
+            row_tokens=row_tokens,
+            oversize=len(plan.oversize),
+        )
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def processed_tokens(self) -> int:
+        return sum(f.input_ids.numel() for f in self.forwards)
+
+    def completion_values(self, per_forward: list[torch.Tensor]) -> torch.Tensor:
+        """(rows, completion_width) from the fused head's per-forward (rows, row_tokens - 1) outputs: each scored
+        token's value where the padded pass has it, zeros at the padding."""
+        values = torch.cat([out[f.scored] for out, f in zip(per_forward, self.forwards, strict=True)])
+        completion_mask = self.grid_mask[:, -self.completion_width :]
+        return self._scatter(values, completion_mask)
+
+    def position_values(self, per_forward: list[torch.Tensor]) -> torch.Tensor:
+        """(rows, width) from per-forward (rows, row_tokens) per-position outputs (a value head's): each sample's
+        positions where the padded grid has them, zeros at the padding."""
+        values = torch.cat([out[f.sample_tokens] for out, f in zip(per_forward, self.forwards, strict=True)])
+        return self._scatter(values, self.grid_mask)
+
+    def _scatter(self, values: torch.Tensor, grid_mask: torch.Tensor) -> torch.Tensor:
+        """Place ``values`` (the packed order of the samples' True positions of ``grid_mask``) on the grid."""
+        rows, width = grid_mask.shape
+        flat = torch.arange(rows * width, device=grid_mask.device).view(rows, width)
+        ordered = grid_mask.index_select(0, self.order)
+        target = flat.index_select(0, self.order)[ordered]
+        out = values.new_zeros(rows * width)
+        return out.index_copy(0, target, values).view(rows, width)

@@ -1,0 +1,52 @@
+"""``PackingFields``: the config fields of padding-free packed micro-batches, shared by GRPO, PPO and DPO."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..options import registers_options
+
+PADDING_FREE_SETTINGS = ("auto", "true", "false")
+
+
+@registers_options(plain_trl_defaults={"padding_free": "false"})
+@dataclass
+class PackingFields:
+    """How the log-prob passes lay their rows out (``passes.packed``)."""
+
+    padding_free: str = field(
+        default="auto",
+        metadata={
+            "help": "Run every pass over the policy, the reference and the critic on padding-free packed rows "
+            "(each sample's real tokens, position_ids restarting at 0, no attention mask) instead of rows padded to "
+            "the longest completion; the loss is the padded one up to float rounding. 'auto' (default: on the "
+            "long-tail benchmark of docs/benchmarks.md the packed step is faster on this project's CPU machines, "
+            "see there): on where the model isolates packed samples (sdpa/eager, flash-attention on GPU; checked "
+            "once on the model), else off with the reason logged once; 'true': on, or an error naming what "
+            "prevents it; 'false': padded rows, as TRL.",
+            "choices": list(PADDING_FREE_SETTINGS),
+        },
+    )
+    max_tokens_per_microbatch: int | None = field(
+        default=None,
+        metadata={
+            "help": "With padding_free: the most tokens of one packed row and of one forward. A sample longer than "
+            "this gets a row of its own (counted in batch/oversize_samples, never dropped). Unset: a packed row is "
+            "as wide as the micro-batch's longest sample and a forward holds what TRL's padded chunk held "
+            "(per_device_train_batch_size rows of the padded width), so no forward is larger than TRL's."
+        },
+    )
+
+    def validate_packing_fields(self) -> None:
+        if isinstance(self.padding_free, bool):
+            self.padding_free = "true" if self.padding_free else "false"
+        if self.padding_free not in PADDING_FREE_SETTINGS:
+            raise ValueError(
+                f"padding_free must be one of {PADDING_FREE_SETTINGS}, got {self.padding_free!r}: 'auto' packs where "
+                "the model supports it."
+            )
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(
+                f"max_tokens_per_microbatch must be a positive number of tokens, got {self.max_tokens_per_microbatch}"
+                " (unset it to pack by the micro-batch's longest sample)."
+            )
