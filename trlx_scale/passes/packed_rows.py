@@ -9,8 +9,8 @@ any attention mask, an all-ones one included; the forwards here pass neither (``
 ``packing_support.check_packing_isolated`` verifies once per run, on the model itself, that samples stay apart.
 
 The micro-batch planner (``micro_batch_plan``) cuts the samples into bins of at most ``row_tokens`` tokens; each bin
-is one packed row, completed to ``row_tokens`` by one filler segment (its own positions from 0, no label), so the
-only tokens processed that no sample owns are the bins' slack. Rows go through the model ``rows_per_forward`` at a
+is one packed row, completed to the width of its forward's fullest row by one filler segment (its own positions from
+0, no label), so the only tokens processed that no sample owns are the bins' slack. Rows go through the model ``rows_per_forward`` at a
 time. Per-position outputs come back to the padded grid with ``to_grid`` (zeros where the grid has padding), so the
 loss, its masks and its normalisers see exactly the tensors of the padded pass.
 """
@@ -49,7 +49,7 @@ class PackedRows:
     lengths: torch.Tensor  # (rows of the grid,) real tokens of each sample
     grid_mask: torch.Tensor  # (rows, width) the padded grid's attention mask, bool
     completion_width: int
-    row_tokens: int
+    row_tokens: int  # the widest forward's width
     oversize: int  # samples longer than the token budget (each alone in its row)
 
     @classmethod
@@ -87,14 +87,17 @@ class PackedRows:
         forwards = []
         for start in range(0, len(bins), rows_per_forward):
             ids_rows, pos_rows, label_rows, owned_rows = [], [], [], []
-            for packed in bins[start : start + rows_per_forward]:
-                slack = row_tokens - sum(length_list[i] for i in packed)
+            chunk = bins[start : start + rows_per_forward]
+            # A forward is as wide as its fullest row (at most row_tokens): no filler beyond what a row lacks.
+            width = max(sum(length_list[i] for i in packed) for packed in chunk)
+            for packed in chunk:
+                slack = width - sum(length_list[i] for i in packed)
                 filler = input_ids.new_zeros(slack)
                 ids_rows.append(torch.cat([*(tokens[i] for i in packed), filler]))
                 pos_rows.append(torch.cat([*(sample_positions[i] for i in packed), torch.arange(slack).to(filler)]))
                 label_rows.append(torch.cat([*(sample_labels[i] for i in packed), filler.new_full((slack,), -100)]))
-                owned = torch.ones(row_tokens, dtype=torch.bool, device=input_ids.device)
-                owned[row_tokens - slack :] = False
+                owned = torch.ones(width, dtype=torch.bool, device=input_ids.device)
+                owned[width - slack :] = False
                 owned_rows.append(owned)
             forwards.append(
                 PackedForward(
@@ -108,7 +111,7 @@ class PackedRows:
             lengths=lengths,
             grid_mask=mask,
             completion_width=completion_width,
-            row_tokens=row_tokens,
+            row_tokens=max(f.input_ids.size(1) for f in forwards),
             oversize=len(plan.oversize),
         )
 
