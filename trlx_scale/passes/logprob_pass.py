@@ -46,8 +46,8 @@ class PassResult:
     ``row_lengths``: (rows,) the real (unpadded) tokens of each row; ``token_ratio``: tokens the padded pass would
     process over tokens this pass processed (1.0: as many; a shared-prefix pass processes each prompt once);
     ``chunk_token_ratios``: the same per chunk the pass ran (the ``shared_prefix/token_ratio`` metric);
-    ``processed_tokens``: token positions the forwards ran (padding included), ``real_tokens``: the rows' real
-    tokens (the ``batch/pad_frac`` metric); ``forwards``: model calls; ``oversize_samples``: samples longer than
+    ``processed_tokens``: token positions the forwards ran, ``padding_tokens``: those of them no sample owns (padding,
+    a packed row's filler: the ``batch/pad_frac`` metric); ``forwards``: model calls; ``oversize_samples``: samples longer than
     the packing budget (each alone in its row); ``row_tokens``: the width of the rows the forwards ran."""
 
     logps: torch.Tensor
@@ -57,7 +57,7 @@ class PassResult:
     token_ratio: float = 1.0
     chunk_token_ratios: list[float] = field(default_factory=list)
     processed_tokens: float = 0.0
-    real_tokens: float = 0.0
+    padding_tokens: float = 0.0
     forwards: int = 1
     oversize_samples: int = 0
     row_tokens: int = 0

@@ -7,7 +7,10 @@ count) and GSPO's are the padded pass's, and the log-probs come back on the padd
 
 Sharded parameters (ZeRO-3, FSDP2): each forward gathers weights with collectives, so every rank runs as many
 forwards as the rank with the most (``agree_max``); a rank with fewer runs a two-token dummy forward whose output
-enters the result times zero, so its backward (and its collectives) run too.
+enters the result times zero, so its backward (and its collectives) run too. One exception: under ZeRO-3 with
+reentrant gradient checkpointing (TRL forces it for PEFT models), each forward's recompute reduces the parameters'
+gradients on its own and DeepSpeed refuses a parameter twice in one bucket; there a pass with gradients runs all its
+packed rows in one forward (``one_forward_with_grad``), the rows still as narrow as the budget.
 """
 
 from __future__ import annotations
@@ -26,11 +29,20 @@ class PackedPass:
     agree_max: the largest of the ranks' values (the identity when parameters are not sharded).
     autocast: the trainer's autocast context (``accelerator.autocast``).
     max_tokens: ``max_tokens_per_microbatch``: the most tokens of one packed row (None: the longest sample's).
+    one_forward_with_grad: run a pass with gradients as one forward (see the module docstring).
     """
 
     name = "packed"
 
-    def __init__(self, padded, agree_max: Callable[[int], int], autocast: Callable, max_tokens: int | None = None):
+    def __init__(
+        self,
+        padded,
+        agree_max: Callable[[int], int],
+        autocast: Callable,
+        max_tokens: int | None = None,
+        one_forward_with_grad: bool = False,
+    ):
+        self._one_forward_with_grad = one_forward_with_grad
         self._padded = padded
         self._agree_max = agree_max
         self._autocast = autocast
@@ -44,6 +56,8 @@ class PackedPass:
         forward_tokens = None if request.batch_size is None else request.batch_size * ids.size(1)
         if self._max_tokens is not None:
             forward_tokens = min(forward_tokens or self._max_tokens, self._max_tokens)
+        if self._one_forward_with_grad and torch.is_grad_enabled():
+            forward_tokens = None
         rows = PackedRows.build(
             ids, mask, request.logits_to_keep, max_tokens=self._max_tokens, forward_tokens=forward_tokens
         )
@@ -70,7 +84,7 @@ class PackedPass:
             aux_loss=None,
             row_lengths=rows.lengths.detach(),
             processed_tokens=rows.processed_tokens,
-            real_tokens=rows.real_tokens,
+            padding_tokens=float(rows.processed_tokens - rows.real_tokens),
             forwards=len(rows.forwards),
             oversize_samples=rows.oversize,
             row_tokens=rows.row_tokens,

@@ -9,21 +9,22 @@ from ..options import registers_options
 PADDING_FREE_SETTINGS = ("auto", "true", "false")
 
 
-@registers_options(plain_trl_defaults={"padding_free": "false"})
+@registers_options()
 @dataclass
 class PackingFields:
     """How the log-prob passes lay their rows out (``passes.packed``)."""
 
     padding_free: str = field(
-        default="auto",
+        default="false",
         metadata={
             "help": "Run every pass over the policy, the reference and the critic on padding-free packed rows "
             "(each sample's real tokens, position_ids restarting at 0, no attention mask) instead of rows padded to "
-            "the longest completion; the loss is the padded one up to float rounding. 'auto' (default: on the "
-            "long-tail benchmark of docs/benchmarks.md the packed step is faster on this project's CPU machines, "
-            "see there): on where the model isolates packed samples (sdpa/eager, flash-attention on GPU; checked "
-            "once on the model), else off with the reason logged once; 'true': on, or an error naming what "
-            "prevents it; 'false': padded rows, as TRL.",
+            "the longest completion; the loss is the padded one up to float rounding. 'auto': on where the model "
+            "isolates packed samples (sdpa/eager, flash-attention on GPU; checked once on the model), else off with "
+            "the reason logged once; 'true': on, or an error naming what prevents it; 'false' (default for now): "
+            "padded rows, as TRL. 'auto' is faster on long-tail completions (benchmarks/packing.py, "
+            "docs/benchmarks.md) and no slower on uniform ones; the default becomes 'auto' once the suite's "
+            "TRL-identity references are re-based on packed rows (docs/packing.md).",
             "choices": list(PADDING_FREE_SETTINGS),
         },
     )

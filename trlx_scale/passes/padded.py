@@ -38,7 +38,7 @@ class PaddedPass:
             aux_loss,
             row_lengths=request.attention_mask.sum(dim=-1).detach(),
             processed_tokens=float(rows * width),
-            real_tokens=float(request.attention_mask.sum()),
+            padding_tokens=float(rows * width - request.attention_mask.sum()),
             forwards=-(-rows // chunk),
             row_tokens=width,
         )

@@ -124,6 +124,19 @@ def shared_token_ratio(input_ids: torch.Tensor, attention_mask: torch.Tensor, lo
     return rows * length / (groups.num_groups * split + rows * (length - split))
 
 
+def shared_positions_and_padding(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int
+) -> tuple[float, float]:
+    """Token positions the shared pass processes (each unique prompt once, padded; every row's suffix, padded) and
+    how many of them are padding."""
+    split = input_ids.size(1) - logits_to_keep - 1
+    groups = find_prompt_groups(input_ids[:, :split], attention_mask[:, :split])
+    prefix_mask = attention_mask[:, :split].index_select(0, groups.first_row)
+    suffix_mask = attention_mask[:, split:]
+    positions = prefix_mask.numel() + suffix_mask.numel()
+    return float(positions), float(positions - prefix_mask.sum() - suffix_mask.sum())
+
+
 def _fsdp2_layers(model: torch.nn.Module) -> list[torch.nn.Module | None]:
     """The decoder layers in order, each where FSDP2 shards it on its own (as Accelerate wraps them), else None."""
     try:
@@ -281,7 +294,7 @@ class SharedPrefixPass:
         rows, keep = request.input_ids.size(0), request.logits_to_keep
         batch_size = request.batch_size or rows
         all_logps, all_entropies, chunk_ratios = [], [], []
-        rows_tokens = processed_tokens = shared_positions = 0.0
+        rows_tokens = processed_tokens = shared_positions = shared_padding = 0.0
         fallbacks: list[PassResult] = []
         for start in range(0, rows, batch_size):
             chunk = request.rows(start, start + batch_size)
@@ -299,7 +312,10 @@ class SharedPrefixPass:
                 shared = (result.logps, result.entropies)
             # Tokens the padded pass would process over tokens this one did: how much the sharing pays.
             ratio = shared_token_ratio(ids, mask, keep) if used else 1.0
-            shared_positions += ids.numel() / ratio if used else 0.0
+            if used:
+                positions, padding = shared_positions_and_padding(ids, mask, keep)
+                shared_positions += positions
+                shared_padding += padding
             chunk_ratios.append(ratio)
             rows_tokens += float(mask.sum())
             processed_tokens += float(mask.sum()) / ratio
@@ -313,7 +329,7 @@ class SharedPrefixPass:
             token_ratio=rows_tokens / max(processed_tokens, 1.0),
             chunk_token_ratios=chunk_ratios,
             processed_tokens=float(sum(r.processed_tokens for r in fallbacks)) + shared_positions,
-            real_tokens=rows_tokens,
+            padding_tokens=float(sum(r.padding_tokens for r in fallbacks)) + shared_padding,
             forwards=len(chunk_ratios),
             row_tokens=request.input_ids.size(1),
         )

@@ -28,6 +28,7 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
 from ..compat import old_logprob_pass
+from ..compat.checkpoint_with_cache import uses_reentrant_checkpointing
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.engine import RolloutEngine, build_engine
 from ..hub.secrets import check_tracker_uploads
@@ -323,6 +324,7 @@ class GRPOTrainer(TrainerFeatures, TRLGRPOTrainer):
                 agree_max=self._agree_max,
                 autocast=self.accelerator.autocast,
                 max_tokens=option(self.args, "max_tokens_per_microbatch"),
+                one_forward_with_grad=self._zero3_reentrant_checkpointing(model),
             )
         if not self._shared_prefix_enabled(model):
             return rows
@@ -336,7 +338,7 @@ class GRPOTrainer(TrainerFeatures, TRLGRPOTrainer):
     def _record_pass(self, result: PassResult, training: bool) -> None:
         """The profiler's count (from what the pass processed), the shared-prefix metric, and for the loss pass the
         layout's: ``batch/pad_frac`` (processed positions no sample owns), ``batch/packing_ratio`` (positions
-        processed per real token), ``batch/rank_imbalance`` (max over mean of the ranks' attention-weighted cost),
+        processed per real token of the rows: above 1 padding, below 1 a shared prefix), ``batch/rank_imbalance`` (max over mean of the ranks' attention-weighted cost),
         ``batch/tokens_per_microbatch``, ``batch/forwards_per_microbatch``, ``batch/oversize_samples``."""
         self._count_logprob_pass(result.row_lengths, training=training, token_ratio=result.token_ratio)
         mode = "train" if self.model.training else "eval"
@@ -345,22 +347,14 @@ class GRPOTrainer(TrainerFeatures, TRLGRPOTrainer):
         if not training or result.processed_tokens <= 0:
             return
         cost = result.processed_tokens * (self._attention_cost_coefficient() + result.row_tokens)
-        # One gather per loss pass (every rank runs it): each rank's processed tokens, real tokens and cost.
-        local = torch.tensor(
-            [
-                result.processed_tokens,
-                result.real_tokens,
-                cost,
-                float(result.forwards),
-                float(result.oversize_samples),
-            ],
-            dtype=torch.float64,
-            device=self.accelerator.device,
-        )
+        real = float(result.row_lengths.sum())  # the rows' real tokens: what any pass must cover
+        # One gather per loss pass (every rank runs it): processed, padding and real tokens, cost, forwards, oversize.
+        values = [result.processed_tokens, result.padding_tokens, real, cost, result.forwards, result.oversize_samples]
+        local = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.accelerator.device)
         ranks = self.accelerator.gather(local.unsqueeze(0)).reshape(-1, local.numel())
-        processed, real, costs, forwards, oversize = ranks.unbind(dim=1)
+        processed, padding, real, costs, forwards, oversize = ranks.unbind(dim=1)
         metrics = self._metrics[mode]
-        metrics["batch/pad_frac"].append(1.0 - real.sum().item() / processed.sum().item())
+        metrics["batch/pad_frac"].append(padding.sum().item() / processed.sum().item())
         metrics["batch/packing_ratio"].append(processed.sum().item() / max(real.sum().item(), 1.0))
         metrics["batch/rank_imbalance"].append((costs.max() / costs.mean().clamp(min=1e-12)).item())
         metrics["batch/tokens_per_microbatch"].append(processed.mean().item())
@@ -405,6 +399,12 @@ class GRPOTrainer(TrainerFeatures, TRLGRPOTrainer):
         if self._agree_max(0 if reason is None else 1):
             return reason or "packed samples were not kept apart on another rank"
         return None
+
+    def _zero3_reentrant_checkpointing(self, model) -> bool:
+        """ZeRO-3 with reentrant gradient checkpointing: a pass with gradients must be one forward (passes.packed)."""
+        if not self.is_deepspeed_enabled or self.accelerator.state.deepspeed_plugin.zero_stage != 3:
+            return False
+        return uses_reentrant_checkpointing(self.accelerator.unwrap_model(model))
 
     def _agree_max(self, value: int) -> int:
         """The largest of every rank's ``value`` under sharded parameters (ZeRO-3, FSDP2), where every rank must run
