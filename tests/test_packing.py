@@ -329,3 +329,29 @@ def test_bad_settings_name_the_field(tmp_path):
         small_grpo_config(tmp_path, padding_free="yes")
     with pytest.raises(ValueError, match="max_tokens_per_microbatch must be a positive"):
         small_grpo_config(tmp_path, max_tokens_per_microbatch=0)
+
+
+@pytest.mark.parametrize("ld_alpha", [None, 0.5], ids=["sum", "ld_alpha"])
+def test_dpo_chosen_and_rejected_train_like_the_padded_run(tmp_path, default_model_dir, ld_alpha):
+    from trlx_scale import DPOConfig, DPOTrainer
+    from trlx_scale.tasks import addition_preference_dataset
+
+    from .helpers.trainers import small_dpo_config
+
+    runs = {}
+    for setting in ("false", "true"):
+        trainer = DPOTrainer(
+            model=default_model_dir,
+            args=small_dpo_config(tmp_path / setting, DPOConfig, padding_free=setting, ld_alpha=ld_alpha, max_steps=3),
+            train_dataset=addition_preference_dataset("train", size=24),
+            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+        )
+        assert trainer.args.padding_free == setting  # TRL saw False; ours is back on our copy
+        trainer.train()
+        runs[setting] = trainer
+    assert runs["true"]._padding_free_decision
+    for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins"):
+        torch.testing.assert_close(logged(runs["true"], key), logged(runs["false"], key), rtol=1e-5, atol=1e-6)
+    pad_fracs = zip(logged(runs["true"], "batch/pad_frac"), logged(runs["false"], "batch/pad_frac"), strict=True)
+    for packed, padded in pad_fracs:
+        assert packed <= padded  # (the pairs here are of similar lengths: rows as wide as the longest rarely pair)

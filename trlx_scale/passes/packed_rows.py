@@ -48,6 +48,7 @@ class PackedRows:
     order: torch.Tensor  # the samples in packed order (row by row, forward by forward)
     lengths: torch.Tensor  # (rows of the grid,) real tokens of each sample
     grid_mask: torch.Tensor  # (rows, width) the padded grid's attention mask, bool
+    scored_grid: torch.Tensor  # (rows, width) bool: the grid's scored tokens
     completion_width: int
     row_tokens: int  # the widest forward's width
     oversize: int  # samples longer than the token budget (each alone in its row)
@@ -57,13 +58,14 @@ class PackedRows:
         cls,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        completion_width: int,
+        completion_width: int | None = None,
         *,
+        labels: torch.Tensor | None = None,
         max_tokens: int | None = None,
         forward_tokens: int | None = None,
     ) -> PackedRows:
         """Pack the rows of a padded batch. ``completion_width``: its last columns that are the completion (TRL's
-        ``logits_to_keep``); ``max_tokens``: the most tokens in one packed row (None: the longest sample, so no
+        GRPO ``logits_to_keep``), or ``labels``: the grid's labels, -100 where a token is not scored (TRL's DPO); ``max_tokens``: the most tokens in one packed row (None: the longest sample, so no
         packed row is wider than the padded one); ``forward_tokens``: the most tokens in one forward (None: all
         rows at once)."""
         mask = attention_mask.bool()
@@ -76,10 +78,15 @@ class PackedRows:
         row_tokens = max(row_tokens, longest)  # an oversize sample widens the rows it shares a forward with
         rows_per_forward = len(bins) if forward_tokens is None else max(1, forward_tokens // row_tokens)
 
-        completion = torch.zeros_like(mask)
-        completion[:, -completion_width:] = True
+        if labels is None:
+            completion = torch.zeros_like(mask)
+            completion[:, -completion_width:] = True
+            labels_grid = input_ids.masked_fill(~(mask & completion), -100)
+        else:
+            labels_grid = labels.masked_fill(~mask, -100)
         positions = mask.long().cumsum(dim=-1) - 1  # each sample's own positions, from 0
-        labels_grid = input_ids.masked_fill(~(mask & completion), -100)
+        # A sample's first token has nothing of its own before it (in a packed row: another sample): never scored.
+        labels_grid = labels_grid.masked_fill(mask & (positions == 0), -100)
         tokens = [input_ids[i][mask[i]] for i in range(input_ids.size(0))]
         sample_positions = [positions[i][mask[i]] for i in range(input_ids.size(0))]
         sample_labels = [labels_grid[i][mask[i]] for i in range(input_ids.size(0))]
@@ -110,7 +117,8 @@ class PackedRows:
             order=order,
             lengths=lengths,
             grid_mask=mask,
-            completion_width=completion_width,
+            scored_grid=labels_grid != -100,
+            completion_width=completion_width or 0,
             row_tokens=max(f.input_ids.size(1) for f in forwards),
             oversize=len(plan.oversize),
         )
@@ -127,8 +135,13 @@ class PackedRows:
         """(rows, completion_width) from the fused head's per-forward (rows, row_tokens - 1) outputs: each scored
         token's value where the padded pass has it, zeros at the padding."""
         values = torch.cat([out[f.scored] for out, f in zip(per_forward, self.forwards, strict=True)])
-        completion_mask = self.grid_mask[:, -self.completion_width :]
-        return self._scatter(values, completion_mask)
+        return self._scatter(values, self.scored_grid[:, -self.completion_width :])
+
+    def shifted_values(self, per_forward: list[torch.Tensor]) -> torch.Tensor:
+        """(rows, width - 1) from the fused head's per-forward outputs, on the padded grid's fused-head layout
+        (column t: the token at t + 1), zeros where no token is scored: what the padded forward returns."""
+        values = torch.cat([out[f.scored] for out, f in zip(per_forward, self.forwards, strict=True)])
+        return self._scatter(values, self.scored_grid[:, 1:])
 
     def position_values(self, per_forward: list[torch.Tensor]) -> torch.Tensor:
         """(rows, width) from per-forward (rows, row_tokens) per-position outputs (a value head's): each sample's

@@ -9,6 +9,7 @@ from trl import DPOConfig as TRLDPOConfig
 from ..generation.engine_fields import ColocatedEngineFields
 from ..optim.preset_fields import OptimizerPresetFields
 from ..options import registers_options
+from ..passes.packing_fields import PackingFields
 from .shared_fields import (
     HubFields,
     ProfilingFields,
@@ -19,11 +20,19 @@ from .shared_fields import (
 @registers_options(derived={"uses_engine": False})
 @dataclass
 class DPOConfig(
-    ColocatedEngineFields, OptimizerPresetFields, ProfilingFields, ReliabilityFields, HubFields, TRLDPOConfig
+    ColocatedEngineFields,
+    OptimizerPresetFields,
+    PackingFields,
+    ProfilingFields,
+    ReliabilityFields,
+    HubFields,
+    TRLDPOConfig,
 ):
     r"""
     Configuration for [`trlx_scale.DPOTrainer`]: every field of [`trl.DPOConfig`], same names, same defaults, same
     meaning, plus the fields below. While they keep their defaults the trainer behaves exactly like TRL's.
+    `padding_free` (TRL 1.16 switches its own off) is trlx_scale's (`PackingFields`): the chosen and rejected
+    forwards on packed rows.
 
     > Parameters added by trlx_scale
 
@@ -96,6 +105,7 @@ class DPOConfig(
         self.validate_profiling_fields()
         self.validate_reliability_fields()
         self.validate_hub_fields()
+        self.validate_packing_fields()
         if self.online and self.online_num_generations < 2:
             raise ValueError(
                 f"online_num_generations must be at least 2 to form a (chosen, rejected) pair, got "

@@ -39,6 +39,9 @@ from ..generation.cpu_environment import configure_vllm_cpu_environment, running
 from ..generation.engine import RolloutEngine, build_engine
 from ..hub.secrets import check_tracker_uploads
 from ..options import option
+from ..passes.logprob_pass import PassResult
+from ..passes.packed_model_call import PackedModelCall
+from ..passes.packed_rows import PackedRows
 from ..peft_models import is_peft_model
 from ..reliability.input_checks import (
     DPO_COLUMNS,
@@ -51,6 +54,7 @@ from ..reliability.reward_guard import guard_reward_functions, raise_reward_erro
 from .dpo_config import DPOConfig
 from .features import TrainerFeatures
 from .grpo_trainer import _policy_version_of
+from .padding_free_mixin import PaddingFreeMixin
 
 if TYPE_CHECKING:
     from datasets import DatasetDict, IterableDatasetDict
@@ -71,7 +75,7 @@ logger = logging.get_logger(__name__)
 REF_SCORING_CHUNK = 512
 
 
-class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
+class DPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLDPOTrainer):
     """Direct Preference Optimization, as [`trl.DPOTrainer`], with trlx_scale's options.
 
     The constructor takes TRL's arguments in TRL's order (a contract test compares the signatures) and one more,
@@ -127,6 +131,12 @@ class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
         self.reward_funcs = guard_reward_functions(reward_funcs, option(args, "reward_errors"))
         if option(args, "uses_engine"):
             configure_vllm_cpu_environment(args.vllm_cpu_kvcache_space)
+        padding_free = option(args, "padding_free")
+        if args is not None and hasattr(args, "padding_free"):
+            # TRL 1.16 reads its own padding_free (a bool) in __init__ and warns that it is disabled: TRL is handed a
+            # copy that says False (the caller's object is never changed); ours is read through self.args later.
+            args = copy.copy(args)
+            args.padding_free = False
         if self._online:
             # Prompt-only rows reach training_step untouched (the reward functions read their extra columns); set
             # on a copy, never on the caller's config.
@@ -147,6 +157,8 @@ class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
             quantization_config=quantization_config,
             peft_config=peft_config,
         )
+        if isinstance(padding_free, str):
+            self.args.padding_free = padding_free  # our copy (see above): trlx_scale's setting from here on
         if self._online and self.accelerator.num_processes > 1:
             check_multi_process_online_loss(list(self.loss_types), bool(args.use_weighting))
         if self._online:
@@ -313,12 +325,33 @@ class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
             self._online_loss_scale, self._online_loss_offset = 1.0, 0.0
 
     def _compute_loss(self, model, inputs, return_outputs):
-        if torch.is_grad_enabled():  # a training pass: the policy's forward+backward, the reference's forward
-            # TRL's padded pass over the pairs: each row's real tokens.
+        training = torch.is_grad_enabled()
+        if training:  # a training pass: the policy's forward+backward, the reference's forward
+            # Each row's real tokens (the profiler counts what a pass must cover, whatever its layout).
             row_lengths = inputs["attention_mask"].sum(dim=-1)
             self._count_logprob_pass(row_lengths, training=True)
             if not self.precompute_ref_logps:
                 self._count_logprob_pass(row_lengths, training=False)
+        if self._padding_free_enabled(model) and "input_ids" in inputs:
+            # TRL's policy forward over the chosen and rejected rows runs on packed rows (passes.packed_model_call).
+            model = PackedModelCall(
+                model,
+                agree_max=self._agree_max,
+                max_tokens=option(self.args, "max_tokens_per_microbatch"),
+                on_pass=self._record_packed_rows if training else None,
+            )
+        elif training and "input_ids" in inputs:
+            ids, mask = inputs["input_ids"], inputs["attention_mask"]
+            padded = PassResult(
+                None,
+                None,
+                None,
+                mask.sum(dim=-1),
+                processed_tokens=float(ids.numel()),
+                padding_tokens=float(ids.numel() - mask.sum()),
+                row_tokens=ids.size(1),
+            )
+            self._record_layout(padded)
         result = super()._compute_loss(model, inputs, return_outputs)
         scale = self._online_loss_scale
         if scale == 1.0:
@@ -327,6 +360,21 @@ class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
         if return_outputs:
             return result[0] * scale - offset, result[1]
         return result * scale - offset
+
+    def _record_packed_rows(self, rows: PackedRows) -> None:
+        self._record_layout(
+            PassResult(
+                None,
+                None,
+                None,
+                rows.lengths,
+                processed_tokens=float(rows.processed_tokens),
+                padding_tokens=float(rows.processed_tokens - rows.real_tokens),
+                forwards=len(rows.forwards),
+                oversize_samples=rows.oversize,
+                row_tokens=rows.row_tokens,
+            )
+        )
 
     def _save_extra_state(self, checkpoint_dir: str) -> None:
         # TRL counts the trained tokens (the logged num_tokens) in an attribute no checkpoint holds.

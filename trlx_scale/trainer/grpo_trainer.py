@@ -28,7 +28,6 @@ from trl import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
 from ..compat import old_logprob_pass
-from ..compat.checkpoint_with_cache import uses_reentrant_checkpointing
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.engine import RolloutEngine, build_engine
 from ..hub.secrets import check_tracker_uploads
@@ -37,8 +36,6 @@ from ..losses.vllm_importance_sampling import importance_sampling_statistics, vl
 from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..options import option
 from ..passes import LogProbPass, PackedPass, PaddedPass, PassRequest, PassResult, SharedPrefixPass
-from ..passes.micro_batch_plan import attention_cost_coefficient
-from ..passes.packing_support import check_packing_isolated, packing_unsupported_reason
 from ..passes.shared_prefix import all_ranks_can_share, unsupported_reason
 from ..peft_models import is_peft_model
 from ..reliability.checkpoints import checkpoint_world_size
@@ -47,6 +44,7 @@ from ..reliability.reward_guard import guard_reward_functions, raise_reward_erro
 from ..rollout.batch import RolloutBatch
 from .features import TrainerFeatures
 from .grpo_config import GRPOConfig
+from .padding_free_mixin import PaddingFreeMixin
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -64,7 +62,7 @@ logger = logging.get_logger(__name__)
 ROLLOUT_STATE_NAME = "rollout_state_rank{}.pt"
 
 
-class GRPOTrainer(TrainerFeatures, TRLGRPOTrainer):
+class GRPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer):
     """Group Relative Policy Optimization, as [`trl.GRPOTrainer`], with trlx_scale's scaling features.
 
     The constructor mirrors TRL's argument for argument (a contract test compares the signatures), so a script
@@ -337,86 +335,13 @@ class GRPOTrainer(TrainerFeatures, TRLGRPOTrainer):
 
     def _record_pass(self, result: PassResult, training: bool) -> None:
         """The profiler's count (from what the pass processed), the shared-prefix metric, and for the loss pass the
-        layout's: ``batch/pad_frac`` (processed positions no sample owns), ``batch/packing_ratio`` (positions
-        processed per real token of the rows: above 1 padding, below 1 a shared prefix), ``batch/rank_imbalance`` (max over mean of the ranks' attention-weighted cost),
-        ``batch/tokens_per_microbatch``, ``batch/forwards_per_microbatch``, ``batch/oversize_samples``."""
+        layout's (``PaddingFreeMixin._record_layout``: ``batch/pad_frac`` and the others)."""
         self._count_logprob_pass(result.row_lengths, training=training, token_ratio=result.token_ratio)
         mode = "train" if self.model.training else "eval"
         if result.chunk_token_ratios:
             self._metrics[mode]["shared_prefix/token_ratio"].extend(result.chunk_token_ratios)
-        if not training or result.processed_tokens <= 0:
-            return
-        cost = result.processed_tokens * (self._attention_cost_coefficient() + result.row_tokens)
-        real = float(result.row_lengths.sum())  # the rows' real tokens: what any pass must cover
-        # One gather per loss pass (every rank runs it): processed, padding and real tokens, cost, forwards, oversize.
-        values = [result.processed_tokens, result.padding_tokens, real, cost, result.forwards, result.oversize_samples]
-        local = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.accelerator.device)
-        ranks = self.accelerator.gather(local.unsqueeze(0)).reshape(-1, local.numel())
-        processed, padding, real, costs, forwards, oversize = ranks.unbind(dim=1)
-        metrics = self._metrics[mode]
-        metrics["batch/pad_frac"].append(padding.sum().item() / processed.sum().item())
-        metrics["batch/packing_ratio"].append(processed.sum().item() / max(real.sum().item(), 1.0))
-        metrics["batch/rank_imbalance"].append((costs.max() / costs.mean().clamp(min=1e-12)).item())
-        metrics["batch/tokens_per_microbatch"].append(processed.mean().item())
-        metrics["batch/forwards_per_microbatch"].append(forwards.max().item())
-        metrics["batch/oversize_samples"].append(oversize.sum().item())
-
-    def _attention_cost_coefficient(self) -> float:
-        config = self.accelerator.unwrap_model(self.model).config
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return attention_cost_coefficient(int(config.hidden_size), getattr(config, "intermediate_size", None))
-
-    def _padding_free_enabled(self, model) -> bool:
-        """Resolve ``padding_free`` once, at the first pass: the static gate, then the model's own check (its
-        forwards run on every rank together: the first pass is a collective point)."""
-        if getattr(self, "_padding_free_decision", None) is None:
-            setting = option(self.args, "padding_free")
-            reason = None
-            if setting != "false":
-                reason = self._padding_free_blocker(model)
-            if setting == "true" and reason is not None:
-                raise ValueError(f"padding_free='true' cannot run: {reason}. Set padding_free='auto' or 'false'.")
-            if setting == "auto" and reason is not None:
-                logger.warning("padding_free='auto' is off: %s.", reason)
-            self.padding_free_off_reason = reason if setting != "false" else "padding_free='false'"
-            self._padding_free_decision = setting != "false" and reason is None
-        return self._padding_free_decision
-
-    def _padding_free_blocker(self, model) -> str | None:
-        if getattr(self.args, "use_liger_kernel", False):
-            return "use_liger_kernel computes the loss in a fused kernel from padded rows' hidden states"
-        if self.is_fsdp_enabled and not self.accelerator.is_fsdp2:
-            return "FSDP1 is not verified with packed rows (FSDP2 is): set fsdp_version: 2 in the Accelerate config"
-        inner = self.accelerator.unwrap_model(model)
-        reason = packing_unsupported_reason(inner, self.accelerator.device.type)
-        local = reason is None
-        if self._agree_max(0 if local else 1):  # every rank decides alike (the check below runs forwards)
-            return reason or "another rank's model cannot run packed rows"
-        config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
-        reason = check_packing_isolated(
-            model, int(config.vocab_size), self.accelerator.device, self.accelerator.autocast
-        )
-        if self._agree_max(0 if reason is None else 1):
-            return reason or "packed samples were not kept apart on another rank"
-        return None
-
-    def _zero3_reentrant_checkpointing(self, model) -> bool:
-        """ZeRO-3 with reentrant gradient checkpointing: a pass with gradients must be one forward (passes.packed)."""
-        if not self.is_deepspeed_enabled or self.accelerator.state.deepspeed_plugin.zero_stage != 3:
-            return False
-        return uses_reentrant_checkpointing(self.accelerator.unwrap_model(model))
-
-    def _agree_max(self, value: int) -> int:
-        """The largest of every rank's ``value`` under sharded parameters (ZeRO-3, FSDP2), where every rank must run
-        the same number of forwards; the rank's own value otherwise (replicas run their forwards independently)."""
-        import torch.distributed as dist
-
-        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        if not sharded or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-            return value
-        tensor = torch.tensor([value], dtype=torch.long, device=self.accelerator.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return int(tensor.item())
+        if training:
+            self._record_layout(result)
 
     def _is_reference_pass(self, model) -> bool:
         """The reference model, or a LoRA policy with its adapters off / its 'ref' adapter on (TRL's reference)."""

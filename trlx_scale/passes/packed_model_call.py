@@ -1,0 +1,82 @@
+"""``PackedModelCall``: a model called as TRL's DPO calls it, run on padding-free packed rows.
+
+TRL's ``DPOTrainer._compute_loss`` calls ``model(input_ids=, attention_mask=, labels=, fused_lm_head=True)`` on the
+chosen and rejected rows (one batch: chosen then rejected, right-padded) and reads the fused head's ``log_probs``;
+its ``compute_ref_log_probs(model, inputs)`` does the same for the reference. Both take the model as an argument, so
+the trainer hands them this object instead: the same call, run on packed rows (``packed_rows``), the result on the
+padded grid, so TRL's sums, its ``ld_alpha`` split and every loss type see the padded forward's tensors.
+
+A call with anything else (image inputs, router logits for a MoE aux loss, no fused head) goes to the model as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from trl.trainer.utils import FusedCausalLMOutput
+
+from .packed_rows import PackedRows
+
+PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+_PACKABLE_KEYWORDS = {"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"}
+
+
+class PackedModelCall:
+    """Args:
+    model: the (wrapped) model with TRL's fused LM head.
+    agree_max: the largest of the ranks' values (forward counts under sharded parameters; see ``passes.packed``).
+    max_tokens: ``max_tokens_per_microbatch`` (None: rows as wide as the longest sample, all in one forward).
+    on_pass: called with each packed call's ``PackedRows`` (the trainer's metrics).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        agree_max: Callable[[int], int],
+        max_tokens: int | None = None,
+        on_pass: Callable[[PackedRows], None] | None = None,
+    ):
+        self.model = model
+        self._agree_max = agree_max
+        self._max_tokens = max_tokens
+        self._on_pass = on_pass
+
+    def __call__(self, **kwargs: Any) -> Any:
+        if set(kwargs) - _PACKABLE_KEYWORDS or not kwargs.get("fused_lm_head") or kwargs.get("labels") is None:
+            return self.model(**kwargs)
+        ids, mask, labels = kwargs["input_ids"], kwargs["attention_mask"], kwargs["labels"]
+        rows = PackedRows.build(ids, mask, labels=labels, max_tokens=self._max_tokens, forward_tokens=self._max_tokens)
+        per_forward: dict[str, list[torch.Tensor]] = {field: [] for field in PER_TOKEN_FIELDS}
+        for forward in rows.forwards:
+            outputs = self.model(
+                input_ids=forward.input_ids,
+                position_ids=forward.position_ids,
+                labels=forward.labels,
+                fused_lm_head=True,
+                use_cache=False,  # a cache turns transformers' packing detection off
+            )
+            for field in PER_TOKEN_FIELDS:
+                per_forward[field].append(getattr(outputs, field))
+        # Each per-token field the head computed (log-probs always; entropies etc. as add_fused_lm_head asked).
+        fields = {
+            field: rows.shifted_values(values) if values[0] is not None else None
+            for field, values in per_forward.items()
+        }
+        for _ in range(self._agree_max(len(rows.forwards)) - len(rows.forwards)):
+            fields["log_probs"] = fields["log_probs"] + 0.0 * self._dummy(ids)
+        if self._on_pass is not None:
+            self._on_pass(rows)
+        return FusedCausalLMOutput(**fields, label_mask=rows.scored_grid[:, 1:])
+
+    def _dummy(self, ids: torch.Tensor) -> torch.Tensor:
+        """A two-token forward that keeps this rank's collectives in step with the others' (``passes.packed``)."""
+        tokens = ids[:1, :2]
+        labels = tokens.clone()
+        labels[:, 0] = -100
+        positions = torch.arange(2, device=ids.device).unsqueeze(0)
+        outputs = self.model(
+            input_ids=tokens, position_ids=positions, labels=labels, fused_lm_head=True, use_cache=False
+        )
+        return outputs.log_probs.sum()
