@@ -10,7 +10,10 @@ per generation. Variants, each in its own process (its own engine, its own peak 
   every other option at its default (``vllm_sync_mode``, ``vllm_dtype``);
 - ``ours_lora`` / ``ours_full``: the same with ``vllm_sync_mode`` forced to "lora" / "full";
 - ``ours_fp32`` / ``ours_bf16``: ``ours`` with ``vllm_dtype`` forced to "trainer" (fp32 here) / "auto" (bf16 on CPU);
-- ``ours_old_pass``: ``ours`` with ``old_logprobs_from_loss_pass=False`` (TRL's separate old-policy pass).
+- ``ours_old_pass``: ``ours`` with ``old_logprobs_from_loss_pass=False`` (TRL's separate old-policy pass);
+- ``ours_padded``: ``ours`` with ``padding_free="false"`` (padded rows, as TRL);
+- ``ours_noshare`` / ``ours_noshare_padded``: the default config (``shared_prefix="false"``), packed rows
+  (``padding_free="auto"``, the default) / padded rows.
 
 Seconds per step come from one clock for every variant (a callback at each step's end); the median over steps after
 the first (warm-up) is a run's figure. Phases: trlx_scale's own ``time/*`` metrics; for TRL the same profiler mixed
@@ -44,7 +47,19 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in the trainer's process (colocated)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-VARIANTS = ("trl_hf", "trl_vllm", "ours", "ours_lora", "ours_full", "ours_fp32", "ours_bf16", "ours_old_pass")
+VARIANTS = (
+    "trl_hf",
+    "trl_vllm",
+    "ours",
+    "ours_lora",
+    "ours_full",
+    "ours_fp32",
+    "ours_bf16",
+    "ours_old_pass",
+    "ours_padded",
+    "ours_noshare",
+    "ours_noshare_padded",
+)
 TRL_VARIANTS = ("trl_hf", "trl_vllm")
 
 
@@ -165,6 +180,12 @@ def run_variant(args) -> dict:
             extra["vllm_dtype"] = "auto"
         elif variant == "ours_old_pass":
             extra["old_logprobs_from_loss_pass"] = False
+        elif variant == "ours_padded":
+            extra["padding_free"] = "false"
+        elif variant == "ours_noshare":
+            extra["shared_prefix"] = "false"
+        elif variant == "ours_noshare_padded":
+            extra.update(shared_prefix="false", padding_free="false")
         config = _config(GRPOConfig, args, output_dir, use_vllm=True, **extra)
         trainer_cls = GRPOTrainer
 

@@ -9,7 +9,9 @@ on the training side: the no-grad old-policy pass and the loss pass's forward + 
 - `trl_padded`: TRL 1.16's own `GRPOTrainer._get_per_token_logps_and_entropies` (rows padded to the longest);
 - `padded`: trlx_scale's `PaddedPass` (the same computation behind the pass interface);
 - `packed`: `PackedPass` (padding-free rows, `padding_free="true"`, `max_tokens_per_microbatch` unset);
-- `packed_shared`: `SharedPrefixPass` over `PackedPass` (`shared_prefix="true"` with `padding_free="true"`).
+- `shared`: `SharedPrefixPass` (`shared_prefix="true"`: each group's prompt once, padded rows);
+- `packed_shared`: `PrefixTreePass` (`shared_prefix="true"` with `padding_free="true"`: each group's prompt once
+  inside packed rows, a tree attention mask).
 
 Each repeat runs every mode back to back (the order rotates), so machine noise hits all of them; the table reports
 medians and the median of the per-repeat ratios to `trl_padded`. Peak memory: each mode runs once more in a fresh
@@ -40,8 +42,10 @@ from trl.trainer.utils import add_fused_lm_head
 
 from trlx_scale.passes import PackedPass, PaddedPass, PassRequest, SharedPrefixPass
 from trlx_scale.passes.packed_rows import PackedRows
+from trlx_scale.passes.prefix_tree import PrefixTreePass, PrefixTreeRows
+from trlx_scale.passes.shared_prefix import shared_positions_and_padding
 
-MODES = ("trl_padded", "padded", "packed", "packed_shared")
+MODES = ("trl_padded", "padded", "packed", "shared", "packed_shared")
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -106,8 +110,10 @@ def make_pass(mode: str):
         return padded
     if mode == "packed":
         return packed
+    if mode == "shared":
+        return SharedPrefixPass(padded, agree=lambda ok: ok, autocast=contextlib.nullcontext, inner_model=None)
     if mode == "packed_shared":
-        return SharedPrefixPass(packed, agree=lambda ok: ok, autocast=contextlib.nullcontext, inner_model=None)
+        return PrefixTreePass(packed, agree_max=lambda n: n, autocast=contextlib.nullcontext)
     raise ValueError(mode)
 
 
@@ -191,10 +197,14 @@ def main() -> None:
             assert gap < 1e-4, f"{mode} differs from TRL's pass by {gap}"
     rows = PackedRows.build(ids, mask, width)
     real = int(mask.sum())
-    pad_frac = {
-        "trl_padded": 1 - real / ids.numel(),
-        "padded": 1 - real / ids.numel(),
-        "packed": 1 - real / rows.processed_tokens,
+    tree = PrefixTreeRows.build(ids, mask, width)
+    shared_positions, shared_padding = shared_positions_and_padding(ids, mask, width)
+    positions = {  # token positions each mode's forwards run, and how many of them no sample owns
+        "trl_padded": (ids.numel(), ids.numel() - real),
+        "padded": (ids.numel(), ids.numel() - real),
+        "packed": (rows.processed_tokens, rows.processed_tokens - real),
+        "shared": (shared_positions, shared_padding),
+        "packed_shared": (tree.processed_tokens, tree.processed_tokens - tree.owned_tokens),
     }
     for mode in MODES:  # warm-up
         step(model, mode, batch)
@@ -208,16 +218,29 @@ def main() -> None:
         f"rows {ids.size(0)}, padded width {ids.size(1)}, completion lengths mean {lengths.float().mean():.0f} "
         f"max {int(lengths.max())}, real tokens {real}"
     )
-    print("| mode | step s (median) | vs trl_padded (median of ratios) | real tokens/s | pad_frac | peak MiB |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| mode | step s (median) | vs trl_padded (median of ratios) | real tokens/s | positions | pad_frac | peak MiB |"
+    )
+    print("|---|---|---|---|---|---|---|")
     results = {}
     for mode in MODES:
         median = statistics.median(times[mode])
         ratio = statistics.median(t_trl / t for t_trl, t in zip(times["trl_padded"], times[mode], strict=True))
         peak = peak_memory(args, mode)
-        frac = pad_frac.get(mode, float("nan"))
-        results[mode] = {"step_s": median, "speedup": ratio, "tokens_per_s": real / median, "peak_mib": peak}
-        print(f"| `{mode}` | {median:.3f} | {ratio:.2f}x | {real / median:.0f} | {frac:.3f} | {peak:.0f} |")
+        processed, padding = positions[mode]
+        frac = padding / processed
+        results[mode] = {
+            "step_s": median,
+            "speedup": ratio,
+            "tokens_per_s": real / median,
+            "peak_mib": peak,
+            "positions": processed,
+            "pad_frac": frac,
+        }
+        print(
+            f"| `{mode}` | {median:.3f} | {ratio:.2f}x | {real / median:.0f} | {processed:.0f} | {frac:.3f} | "
+            f"{peak:.0f} |"
+        )
     print(json.dumps(results))
 
 

@@ -289,7 +289,8 @@ def test_gspo_and_a_reference_pass_train_like_the_padded_run(grpo):
     padded = grpo("false", loss_recipe="gspo", beta=0.05)
     packed = grpo("true", loss_recipe="gspo", beta=0.05)
     torch.testing.assert_close(logged(packed, "loss"), logged(padded, "loss"), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(logged(packed, "kl"), logged(padded, "kl"), rtol=1e-4, atol=1e-7)
+    # The KL to the reference is ~1e-7 after these few steps: rounding-sized, so compared at 1e-6.
+    torch.testing.assert_close(logged(packed, "kl"), logged(padded, "kl"), rtol=1e-4, atol=1e-6)
 
 
 def test_ppo_policy_critic_and_reference_train_like_the_padded_run(grpo):
@@ -355,3 +356,116 @@ def test_dpo_chosen_and_rejected_train_like_the_padded_run(tmp_path, default_mod
     pad_fracs = zip(logged(runs["true"], "batch/pad_frac"), logged(runs["false"], "batch/pad_frac"), strict=True)
     for packed, padded in pad_fracs:
         assert packed <= padded  # (the pairs here are of similar lengths: rows as wide as the longest rarely pair)
+
+
+# ---------------------------------------------------------------- packed + shared prefix: the prefix tree
+
+
+def _grouped_batch(num_generations=3, seed=4):
+    """Groups of completions of one prompt (prompts of different lengths), rows shuffled."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, masks = [], []
+    for prompt_len in (9, 4, 1):
+        prompt = torch.randint(5, 250, (prompt_len,), generator=generator)
+        for g in range(num_generations):
+            kept = (7, 2, 5, 1)[g % 4]
+            completion = torch.randint(5, 250, (COMPLETION,), generator=generator)
+            rows.append(torch.cat([torch.zeros(PROMPT - prompt_len, dtype=torch.long), prompt, completion]))
+            masks.append(
+                torch.cat(
+                    [torch.zeros(PROMPT - prompt_len), torch.ones(prompt_len + kept), torch.zeros(COMPLETION - kept)]
+                )
+            )
+    order = torch.randperm(len(rows), generator=generator)
+    mask = torch.stack(masks).long()[order]
+    return torch.stack(rows)[order].masked_fill(mask == 0, 0), mask
+
+
+def _tree(model, ids, mask, max_tokens=None):
+    from trlx_scale.passes.prefix_tree import PrefixTreePass
+
+    tree = PrefixTreePass(None, agree_max=lambda n: n, autocast=contextlib.nullcontext, max_tokens=max_tokens)
+    result = tree.run(model, PassRequest(ids, mask, COMPLETION, compute_entropy=True))
+    return result.logps, result.entropies
+
+
+def test_prefix_tree_is_exact_and_processes_each_prompt_once(default_model_dir):
+    from trlx_scale.passes.prefix_tree import PrefixTreeRows
+
+    ids, mask = _grouped_batch()
+    model = _model(default_model_dir, torch.float64)
+    reference = _with_gradients(model, _padded, ids, mask, same_positions=True)
+    for max_tokens in (None, 20):
+        tree = _with_gradients(model, _tree, ids, mask, max_tokens=max_tokens)
+        torch.testing.assert_close(tree[0], reference[0], rtol=0, atol=1e-13)
+        torch.testing.assert_close(tree[1], reference[1], rtol=0, atol=1e-13)
+        for name, grad in reference[2].items():  # fp32 LM head (see the packed test)
+            assert (tree[2][name] - grad).abs().max() <= 1e-6 * grad.abs().max(), name
+    rows = PrefixTreeRows.build(ids, mask, COMPLETION)
+    # Each prompt once (without its last token), each completion with that token: what a tree owns.
+    expected = sum(p - 1 for p in (9, 4, 1)) + int(mask[:, PROMPT:].sum()) + ids.size(0)
+    assert rows.owned_tokens == expected < int(mask.sum())
+
+
+def test_a_tree_whose_branches_see_each_other_would_be_caught(default_model_dir):
+    from trlx_scale.passes.prefix_tree import PrefixTreeRows
+
+    ids, mask = _grouped_batch()
+    model = _model(default_model_dir, torch.float32)
+    rows = PrefixTreeRows.build(ids, mask, COMPLETION)
+    with torch.no_grad():
+        reference, _ = _padded(model, ids, mask, same_positions=True)
+        outputs = []
+        for forward in rows.forwards:  # causal over the whole row: branches attend to each other
+            causal = torch.ones_like(forward.attention_mask).tril()
+            out = model(
+                input_ids=forward.input_ids,
+                attention_mask=causal,
+                position_ids=forward.position_ids,
+                labels=forward.labels,
+                fused_lm_head=True,
+                use_cache=False,
+            )
+            outputs.append(out.log_probs)
+        wrong = rows.completion_values(outputs)
+    completion = mask[:, -COMPLETION:].bool()
+    assert (wrong[completion] - reference[completion]).abs().max() > 1e-2
+
+
+def test_grpo_with_packing_and_shared_prefix_trains_like_the_padded_run(grpo):
+    padded = grpo("false")
+    tree = grpo("true", shared_prefix="true")
+    assert tree._padding_free_decision and tree._shared_prefix_decision
+    assert min(logged(tree, "shared_prefix/token_ratio")) > 1.0  # each prompt once
+    torch.testing.assert_close(logged(tree, "loss"), logged(padded, "loss"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logged(tree, "grad_norm"), logged(padded, "grad_norm"), rtol=1e-4, atol=1e-6)
+    assert sum(logged(tree, "batch/tokens_per_microbatch")) < sum(logged(padded, "batch/tokens_per_microbatch"))
+
+
+def test_the_tree_is_chosen_where_it_costs_less_than_the_cache_pass():
+    """The FLOP estimate that picks the prefix tree or the shared-prefix (KV-cache) pass, on the two workloads of
+    docs/benchmarks.md where each measured faster: long-tail completions behind short prompts (tree: 1.79 s against
+    3.73 s) and 8 completions of 64 tokens behind 256-token prompts with a 32000-word vocabulary (cache pass: 7.5 s
+    against 10.3 s per GRPO step)."""
+    from types import SimpleNamespace
+
+    from trlx_scale.passes.prefix_tree import tree_is_cheaper
+
+    def grouped(prompt_len, completion_lengths, groups, vocab):
+        generator = torch.Generator().manual_seed(0)
+        width = max(completion_lengths)
+        rows, masks = [], []
+        for _ in range(groups):
+            prompt = torch.randint(3, vocab, (prompt_len,), generator=generator)
+            for length in completion_lengths:
+                rows.append(torch.cat([prompt, torch.randint(3, vocab, (width,), generator=generator)]))
+                masks.append(torch.cat([torch.ones(prompt_len + length), torch.zeros(width - length)]))
+        return torch.stack(rows), torch.stack(masks).long(), width
+
+    def shape(vocab):
+        return SimpleNamespace(hidden_size=512, num_hidden_layers=4, intermediate_size=1408, vocab_size=vocab)
+
+    ids, mask, width = grouped(64, [236, 40, 61, 18], groups=4, vocab=4096)
+    assert tree_is_cheaper(ids, mask, width, shape(4096), head_scores_every_position=True)
+    ids, mask, width = grouped(256, [64] * 8, groups=4, vocab=32000)
+    assert not tree_is_cheaper(ids, mask, width, shape(32000), head_scores_every_position=True)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from .logprob_pass import PassRequest, PassResult
-from .packed_rows import PackedRows
+from .packed_rows import PackedRows, lockstep_dummy
 
 
 class PackedPass:
@@ -77,7 +77,7 @@ class PackedPass:
         result_logps = rows.completion_values(logps)
         dummies = self._agree_max(len(rows.forwards)) - len(rows.forwards)
         for _ in range(dummies):
-            result_logps = result_logps + 0.0 * self._dummy_forward(model, ids)
+            result_logps = result_logps + 0.0 * lockstep_dummy(model, ids, self._autocast)
         return PassResult(
             logps=result_logps,
             entropies=rows.completion_values(entropies) if request.compute_entropy else None,
@@ -89,15 +89,3 @@ class PackedPass:
             oversize_samples=rows.oversize,
             row_tokens=rows.row_tokens,
         )
-
-    def _dummy_forward(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        """A two-token forward that keeps this rank's collectives in step with the others'; returns its scalar."""
-        tokens = ids[:1, :2] if ids.size(1) >= 2 else ids.new_zeros(1, 2)
-        labels = tokens.clone()
-        labels[:, 0] = -100
-        positions = torch.arange(2, device=ids.device).unsqueeze(0)
-        with self._autocast():
-            outputs = model(
-                input_ids=tokens, position_ids=positions, labels=labels, fused_lm_head=True, use_cache=False
-            )
-        return outputs.log_probs.sum()

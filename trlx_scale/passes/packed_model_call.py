@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from trl.trainer.utils import FusedCausalLMOutput
 
-from .packed_rows import PackedRows
+from .packed_rows import PackedRows, lockstep_dummy
 
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 _PACKABLE_KEYWORDS = {"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"}
@@ -65,18 +65,7 @@ class PackedModelCall:
             for field, values in per_forward.items()
         }
         for _ in range(self._agree_max(len(rows.forwards)) - len(rows.forwards)):
-            fields["log_probs"] = fields["log_probs"] + 0.0 * self._dummy(ids)
+            fields["log_probs"] = fields["log_probs"] + 0.0 * lockstep_dummy(self.model, ids)
         if self._on_pass is not None:
             self._on_pass(rows)
         return FusedCausalLMOutput(**fields, label_mask=rows.scored_grid[:, 1:])
-
-    def _dummy(self, ids: torch.Tensor) -> torch.Tensor:
-        """A two-token forward that keeps this rank's collectives in step with the others' (``passes.packed``)."""
-        tokens = ids[:1, :2]
-        labels = tokens.clone()
-        labels[:, 0] = -100
-        positions = torch.arange(2, device=ids.device).unsqueeze(0)
-        outputs = self.model(
-            input_ids=tokens, position_ids=positions, labels=labels, fused_lm_head=True, use_cache=False
-        )
-        return outputs.log_probs.sum()

@@ -17,6 +17,8 @@ loss, its masks and its normalisers see exactly the tensors of the padded pass.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -150,10 +152,26 @@ class PackedRows:
         return self._scatter(values, self.grid_mask)
 
     def _scatter(self, values: torch.Tensor, grid_mask: torch.Tensor) -> torch.Tensor:
-        """Place ``values`` (the packed order of the samples' True positions of ``grid_mask``) on the grid."""
-        rows, width = grid_mask.shape
-        flat = torch.arange(rows * width, device=grid_mask.device).view(rows, width)
-        ordered = grid_mask.index_select(0, self.order)
-        target = flat.index_select(0, self.order)[ordered]
-        out = values.new_zeros(rows * width)
-        return out.index_copy(0, target, values).view(rows, width)
+        return scatter_to_grid(values, grid_mask, self.order)
+
+
+def scatter_to_grid(values: torch.Tensor, grid_mask: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Place ``values`` on the grid: they are the True positions of ``grid_mask``, row by row in ``order`` (each
+    row's in column order), as a packed layout visits them. Differentiable in ``values``; zeros elsewhere."""
+    rows, width = grid_mask.shape
+    flat = torch.arange(rows * width, device=grid_mask.device).view(rows, width)
+    target = flat.index_select(0, order)[grid_mask.index_select(0, order)]
+    out = values.new_zeros(rows * width)
+    return out.index_copy(0, target, values).view(rows, width)
+
+
+def lockstep_dummy(model: torch.nn.Module, ids: torch.Tensor, autocast: Callable | None = None) -> torch.Tensor:
+    """A two-token forward whose scalar result a caller adds times zero: under sharded parameters a rank with fewer
+    forwards than another runs these, so its collectives (forward and backward) stay in step with the others'."""
+    tokens = ids[:1, :2] if ids.size(1) >= 2 else ids.new_zeros(1, 2)
+    labels = tokens.clone()
+    labels[:, 0] = -100
+    positions = torch.arange(2, device=ids.device).unsqueeze(0)
+    with autocast() if autocast is not None else contextlib.nullcontext():
+        outputs = model(input_ids=tokens, position_ids=positions, labels=labels, fused_lm_head=True, use_cache=False)
+    return outputs.log_probs.sum()

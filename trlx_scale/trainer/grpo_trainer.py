@@ -36,6 +36,7 @@ from ..losses.vllm_importance_sampling import importance_sampling_statistics, vl
 from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..options import option
 from ..passes import LogProbPass, PackedPass, PaddedPass, PassRequest, PassResult, SharedPrefixPass
+from ..passes.prefix_tree import PrefixTreePass, tree_is_cheaper
 from ..passes.shared_prefix import all_ranks_can_share, unsupported_reason
 from ..peft_models import is_peft_model
 from ..reliability.checkpoints import checkpoint_world_size
@@ -306,8 +307,9 @@ class GRPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer):
     def _choose_logprob_pass(self, model, request: PassRequest) -> LogProbPass:
         """The pass for this batch: the run's choices (``padding_free``, ``shared_prefix``, each decided once at the
         first pass), except that a batch with a router loss or image inputs takes the padded pass (both cover the
-        prompt tokens). With both on, a chunk whose prompts are shared takes the shared-prefix pass, the others the
-        packed one.
+        prompt tokens). With both on: the prefix-tree pass (each group's prompt once inside packed rows) where the
+        attention takes a tree mask (sdpa, eager) and it costs fewer FLOPs on the batch (``tree_is_cheaper``), else
+        the shared-prefix pass falling back to the packed one.
 
         Built per call, never kept on the trainer: a pass holds the trainer's bound methods, and a trainer -> pass ->
         trainer cycle would leave a finished trainer's engine to the cyclic garbage collector (see profiling's
@@ -316,16 +318,30 @@ class GRPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer):
         if request.has_extra_inputs:
             return padded
         rows = padded
-        if self._padding_free_enabled(model):
-            rows = PackedPass(
-                padded,
+        packing = self._padding_free_enabled(model)
+        if packing:
+            layout = dict(
                 agree_max=self._agree_max,
                 autocast=self.accelerator.autocast,
                 max_tokens=option(self.args, "max_tokens_per_microbatch"),
                 one_forward_with_grad=self._zero3_reentrant_checkpointing(model),
             )
+            rows = PackedPass(padded, **layout)
         if not self._shared_prefix_enabled(model):
             return rows
+        inner = self.accelerator.unwrap_model(model)
+        if packing and PrefixTreePass.supports(inner):
+            # The prefix tree (each group's prompt once, inside packed rows) where it costs fewer FLOPs than the
+            # shared-prefix pass on this batch (tree_is_cheaper); every rank takes the same pass (collectives).
+            cheaper = tree_is_cheaper(
+                request.input_ids,
+                request.attention_mask,
+                request.logits_to_keep,
+                inner.config,
+                head_scores_every_position=self.accelerator.device.type != "cuda",
+            )
+            if self._agree_max(0 if cheaper else 1) == 0:
+                return PrefixTreePass(rows, **layout)
         return SharedPrefixPass(
             rows,
             agree=self._all_ranks_can_share,
