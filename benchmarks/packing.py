@@ -36,6 +36,7 @@ import time
 from types import SimpleNamespace
 
 import torch
+from shared_prefix import status_mib  # benchmarks/shared_prefix.py: this script's folder is on sys.path
 from transformers import LlamaConfig, LlamaForCausalLM
 from trl import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
@@ -138,14 +139,6 @@ def step(model, mode: str, batch) -> float:
     completion_mask = mask[:, -width:]
     (logps(model, mode, batch, grad=True) * completion_mask).sum().backward()
     return time.perf_counter() - start
-
-
-def status_mib(field: str) -> float:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def peak_memory_worker(args: argparse.Namespace) -> None:

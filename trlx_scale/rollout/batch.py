@@ -12,7 +12,8 @@ order (TRL sizes its chunks by the first tensor). Values that used to travel bet
 attributes (the rewards per function, the policy version) travel here.
 
 Shapes (B: this process's rows, B_all: every process's rows, P: prompt tokens, C: completion tokens, F: reward
-functions), for ``layout == "padded"`` (today's only layout; ``packed`` rows are the next):
+functions), for ``layout == "padded"`` (the only layout on the wire: padding-free packed rows are laid out inside the
+log-prob passes, ``passes.packed_rows``, from these padded tensors, and their outputs come back on this grid):
 
 - ``prompt_ids``, ``prompt_mask``: (B, P), left-padded; ``completion_ids``, ``completion_mask``: (B, C), right-padded;
 - ``advantages``: (B,) for GRPO-style losses (one per sequence), (B, C) for PPO (GAE, per token);

@@ -27,6 +27,7 @@ from transformers.utils import logging
 from trl import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
+from ..auto_switch import resolve_switch
 from ..compat import old_logprob_pass
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.engine import RolloutEngine, build_engine
@@ -375,15 +376,9 @@ class GRPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer):
         """Resolve `shared_prefix` once, at the first pass (gradient checkpointing is switched on by then)."""
         if getattr(self, "_shared_prefix_decision", None) is None:
             setting = option(self.args, "shared_prefix")
-            reason = None
-            if setting != "false":
-                reason = self._shared_prefix_blocker(model, auto=setting == "auto")
-            if setting == "true" and reason is not None:
-                raise ValueError(f"shared_prefix='true' cannot run: {reason}. Set shared_prefix='auto' or 'false'.")
-            if setting == "auto" and reason is not None:
-                logger.warning("shared_prefix='auto' is off: %s.", reason)
-            self.shared_prefix_off_reason = reason if setting != "false" else "shared_prefix='false'"
-            self._shared_prefix_decision = setting != "false" and reason is None
+            self._shared_prefix_decision, self.shared_prefix_off_reason = resolve_switch(
+                "shared_prefix", setting, lambda: self._shared_prefix_blocker(model, auto=setting == "auto")
+            )
         return self._shared_prefix_decision
 
     def _shared_prefix_blocker(self, model, auto: bool) -> str | None:

@@ -8,15 +8,13 @@ is (the isolation check runs forwards, and under sharded parameters every rank m
 from __future__ import annotations
 
 import torch
-from transformers.utils import logging
 
+from ..auto_switch import resolve_switch
 from ..compat.checkpoint_with_cache import uses_reentrant_checkpointing
 from ..options import option
 from ..passes.logprob_pass import PassResult
 from ..passes.micro_batch_plan import attention_cost_coefficient
 from ..passes.packing_support import check_packing_isolated, packing_unsupported_reason
-
-logger = logging.get_logger(__name__)
 
 
 class PaddingFreeMixin:
@@ -31,16 +29,9 @@ class PaddingFreeMixin:
         """Resolve ``padding_free`` once, at the first pass: the static gate, then the model's own check (its
         forwards run on every rank together: the first pass is a collective point)."""
         if getattr(self, "_padding_free_decision", None) is None:
-            setting = option(self.args, "padding_free")
-            reason = None
-            if setting != "false":
-                reason = self._padding_free_blocker(model)
-            if setting == "true" and reason is not None:
-                raise ValueError(f"padding_free='true' cannot run: {reason}. Set padding_free='auto' or 'false'.")
-            if setting == "auto" and reason is not None:
-                logger.warning("padding_free='auto' is off: %s.", reason)
-            self.padding_free_off_reason = reason if setting != "false" else "padding_free='false'"
-            self._padding_free_decision = setting != "false" and reason is None
+            self._padding_free_decision, self.padding_free_off_reason = resolve_switch(
+                "padding_free", option(self.args, "padding_free"), lambda: self._padding_free_blocker(model)
+            )
         return self._padding_free_decision
 
     def _padding_free_blocker(self, model) -> str | None:
