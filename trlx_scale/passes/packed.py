@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from .logprob_pass import PassRequest, PassResult
-from .packed_rows import PackedRows, lockstep_dummy
+from .packed_rows import PackedRows, forward_token_limit, lockstep_dummy
 
 
 class PackedPass:
@@ -52,12 +52,8 @@ class PackedPass:
         if request.has_extra_inputs:
             return self._padded.run(model, request)
         ids, mask = request.input_ids, request.attention_mask
-        # TRL's chunk (``batch_size`` rows of the padded width) bounds the tokens of one forward.
-        forward_tokens = None if request.batch_size is None else request.batch_size * ids.size(1)
-        if self._max_tokens is not None:
-            forward_tokens = min(forward_tokens or self._max_tokens, self._max_tokens)
-        if self._one_forward_with_grad and torch.is_grad_enabled():
-            forward_tokens = None
+        one_forward = self._one_forward_with_grad and torch.is_grad_enabled()
+        forward_tokens = forward_token_limit(request.batch_size, ids.size(1), self._max_tokens, one_forward)
         rows = PackedRows.build(
             ids, mask, request.logits_to_keep, max_tokens=self._max_tokens, forward_tokens=forward_tokens
         )

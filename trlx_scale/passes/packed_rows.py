@@ -175,3 +175,17 @@ def lockstep_dummy(model: torch.nn.Module, ids: torch.Tensor, autocast: Callable
     with autocast() if autocast is not None else contextlib.nullcontext():
         outputs = model(input_ids=tokens, position_ids=positions, labels=labels, fused_lm_head=True, use_cache=False)
     return outputs.log_probs.sum()
+
+
+def forward_token_limit(
+    chunk_rows: int | None, padded_width: int, max_tokens: int | None, one_forward: bool = False
+) -> int | None:
+    """The most tokens one packed forward may hold: TRL's chunk (``chunk_rows`` rows of the padded width, None: the
+    whole request), capped by ``max_tokens_per_microbatch``; None (one forward) where ``one_forward`` (a pass with
+    gradients under ZeRO-3 with reentrant checkpointing: ``passes.packed``)."""
+    if one_forward:
+        return None
+    limit = None if chunk_rows is None else chunk_rows * padded_width
+    if max_tokens is not None:
+        limit = max_tokens if limit is None else min(limit, max_tokens)
+    return limit

@@ -27,7 +27,7 @@ import torch
 
 from .logprob_pass import PassRequest, PassResult
 from .micro_batch_plan import plan_micro_batches
-from .packed_rows import lockstep_dummy, scatter_to_grid
+from .packed_rows import forward_token_limit, lockstep_dummy, scatter_to_grid
 from .packing_support import attention_implementation
 from .shared_prefix import find_prompt_groups
 
@@ -171,11 +171,8 @@ class PrefixTreePass:
         if request.has_extra_inputs:
             return self._fallback.run(model, request)
         ids, mask, keep = request.input_ids, request.attention_mask, request.logits_to_keep
-        forward_tokens = None if request.batch_size is None else request.batch_size * ids.size(1)
-        if self._max_tokens is not None:
-            forward_tokens = min(forward_tokens or self._max_tokens, self._max_tokens)
-        if self._one_forward_with_grad and torch.is_grad_enabled():  # ZeRO-3 + reentrant checkpointing (packed)
-            forward_tokens = None
+        one_forward = self._one_forward_with_grad and torch.is_grad_enabled()
+        forward_tokens = forward_token_limit(request.batch_size, ids.size(1), self._max_tokens, one_forward)
         rows = PrefixTreeRows.build(ids, mask, keep, max_tokens=self._max_tokens, forward_tokens=forward_tokens)
         eager = attention_implementation(model) == "eager"
         logps, entropies = [], []

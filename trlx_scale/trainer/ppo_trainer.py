@@ -46,7 +46,7 @@ from ..losses.value_loss import clipped_value_loss
 from ..optim.master_weights import FP32MasterAdamW
 from ..optim.presets import get_preset
 from ..options import option
-from ..passes.packed_rows import PackedRows
+from ..passes.packed_rows import PackedRows, forward_token_limit
 from ..passes.packing_support import packing_unsupported_reason
 from ..peft_models import is_peft_model
 from ..ppo.advantages import gae, kl_penalty_rewards, masked_whiten, per_token_kl
@@ -343,9 +343,9 @@ class PPOTrainer(GRPOTrainer):
 
     def _packed_values(self, critic, input_ids, attention_mask, length, chunk_size: int | None) -> torch.Tensor:
         max_tokens = option(self.args, "max_tokens_per_microbatch")
-        forward_tokens = None if chunk_size is None else chunk_size * input_ids.size(1)
-        if max_tokens is not None:
-            forward_tokens = min(forward_tokens or max_tokens, max_tokens)
+        # One forward with gradients under ZeRO-3 with reentrant checkpointing, as for the policy (passes.packed).
+        one_forward = torch.is_grad_enabled() and self._zero3_reentrant_checkpointing(self.model)
+        forward_tokens = forward_token_limit(chunk_size, input_ids.size(1), max_tokens, one_forward)
         rows = PackedRows.build(
             input_ids, attention_mask, length, max_tokens=max_tokens, forward_tokens=forward_tokens
         )
