@@ -469,3 +469,14 @@ def test_the_tree_is_chosen_where_it_costs_less_than_the_cache_pass():
     assert tree_is_cheaper(ids, mask, width, shape(4096), head_scores_every_position=True)
     ids, mask, width = grouped(256, [64] * 8, groups=4, vocab=32000)
     assert not tree_is_cheaper(ids, mask, width, shape(32000), head_scores_every_position=True)
+
+
+def test_the_attention_implementation_is_read_through_a_wrapper(default_model_dir):
+    """The passes get the wrapped model (DDP, a DeepSpeed engine): its ``module`` holds the config."""
+    from trlx_scale.passes.packing_support import attention_implementation
+
+    model = _model(default_model_dir, torch.float32, attn="eager")
+    wrapper = torch.nn.Module()
+    wrapper.module = model  # what DistributedDataParallel and a DeepSpeed engine expose
+    assert not hasattr(wrapper, "config")
+    assert attention_implementation(wrapper) == "eager"

@@ -25,6 +25,9 @@ _UNPACKABLE_LAYER_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "sh
 
 
 def attention_implementation(model: torch.nn.Module) -> str:
+    """The model's attention implementation, through a DDP wrapper or a DeepSpeed engine (their ``module``)."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return str(getattr(config, "_attn_implementation", None) or getattr(model.config, "_attn_implementation", "eager"))
 
