@@ -18,7 +18,12 @@ from trl.trainer.utils import add_fused_lm_head
 
 from trlx_scale import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from trlx_scale.passes import PackedPass, PassRequest
-from trlx_scale.passes.micro_batch_plan import attention_cost_coefficient, plan_micro_batches, sample_cost
+from trlx_scale.passes.micro_batch_plan import (
+    attention_cost_coefficient,
+    choose_row_width,
+    plan_micro_batches,
+    sample_cost,
+)
 from trlx_scale.passes.packed_rows import PackedRows
 from trlx_scale.passes.packing_support import check_packing_isolated, packing_unsupported_reason
 from trlx_scale.tasks import addition_dataset, exact_match_reward
@@ -56,8 +61,10 @@ def _padded(model, ids, mask, same_positions=False):
     return out.log_probs[:, -COMPLETION:], out.entropy[:, -COMPLETION:]
 
 
-def _packed(model, ids, mask, max_tokens=None, batch_size=None):
-    packed = PackedPass(None, agree_max=lambda n: n, autocast=contextlib.nullcontext, max_tokens=max_tokens)
+def _packed(model, ids, mask, max_tokens=None, batch_size=None, coefficient=None):
+    packed = PackedPass(
+        None, agree_max=lambda n: n, autocast=contextlib.nullcontext, max_tokens=max_tokens, coefficient=coefficient
+    )
     result = packed.run(model, PassRequest(ids, mask, COMPLETION, batch_size=batch_size, compute_entropy=True))
     return result.logps, result.entropies
 
@@ -119,6 +126,30 @@ def test_planner_is_deterministic_and_rejects_bad_budgets():
     assert attention_cost_coefficient(128, 512) == 4 * 128 + 3 * 512
 
 
+def test_row_width_trades_the_last_rows_slack_against_wider_attention():
+    # Log-normal-like lengths: at the longest sample's width first-fit-decreasing needs 8 rows, 7 percent slack.
+    lengths = [236, 61, 40, 187, 95, 22, 130, 74, 58, 205, 33, 101, 150, 17, 88, 120]
+    longest, total = max(lengths), sum(lengths)
+
+    def layout(width):
+        bins = plan_micro_batches(lengths, max_tokens=width).micro_batches[0]
+        fullest = max(sum(lengths[i] for i in b) for b in bins)
+        return len(bins), fullest
+
+    rows, fullest = layout(longest)
+    # Linear layers dominate (a real model's c is thousands): fewer positions win, so a wider row saves one.
+    wide = choose_row_width(lengths, coefficient=6272.0)
+    wide_rows, wide_fullest = layout(wide)
+    assert wide > longest and wide_rows < rows
+    assert wide_rows * wide_fullest * (6272 + wide_fullest) < rows * fullest * (6272 + fullest)
+    assert 1 - total / (wide_rows * wide_fullest) < 0.05 < 1 - total / (rows * fullest)
+    # Attention dominates (c = 0): a row's cost grows with its width squared, so the rows stay narrower.
+    assert longest <= choose_row_width(lengths, coefficient=0.0) < wide
+    # A forward's token limit caps the width; the longest sample always fits.
+    assert longest <= choose_row_width(lengths, coefficient=6272.0, max_width=longest + 10) <= longest + 10
+    assert choose_row_width([5], coefficient=10.0) == 5
+
+
 def test_packed_rows_hold_only_real_tokens_and_positions_restart():
     ids, mask = _batch()
     rows = PackedRows.build(ids, mask, COMPLETION)
@@ -140,7 +171,7 @@ def test_packed_pass_is_bit_exact_against_the_padded_pass_with_the_same_position
     ids, mask = _batch()
     model = _model(default_model_dir, torch.float64)
     reference = _with_gradients(model, _padded, ids, mask, same_positions=True)
-    for kwargs in ({}, {"max_tokens": 12}, {"batch_size": 2}):
+    for kwargs in ({}, {"max_tokens": 12}, {"batch_size": 2}, {"coefficient": 1e6}):
         packed = _with_gradients(model, _packed, ids, mask, **kwargs)
         torch.testing.assert_close(packed[0], reference[0], rtol=0, atol=0)
         torch.testing.assert_close(packed[1], reference[1], rtol=0, atol=1e-15)
@@ -381,10 +412,12 @@ def _grouped_batch(num_generations=3, seed=4):
     return torch.stack(rows)[order].masked_fill(mask == 0, 0), mask
 
 
-def _tree(model, ids, mask, max_tokens=None):
+def _tree(model, ids, mask, max_tokens=None, coefficient=None):
     from trlx_scale.passes.prefix_tree import PrefixTreePass
 
-    tree = PrefixTreePass(None, agree_max=lambda n: n, autocast=contextlib.nullcontext, max_tokens=max_tokens)
+    tree = PrefixTreePass(
+        None, agree_max=lambda n: n, autocast=contextlib.nullcontext, max_tokens=max_tokens, coefficient=coefficient
+    )
     result = tree.run(model, PassRequest(ids, mask, COMPLETION, compute_entropy=True))
     return result.logps, result.entropies
 
@@ -395,8 +428,8 @@ def test_prefix_tree_is_exact_and_processes_each_prompt_once(default_model_dir):
     ids, mask = _grouped_batch()
     model = _model(default_model_dir, torch.float64)
     reference = _with_gradients(model, _padded, ids, mask, same_positions=True)
-    for max_tokens in (None, 20):
-        tree = _with_gradients(model, _tree, ids, mask, max_tokens=max_tokens)
+    for kwargs in ({}, {"max_tokens": 20}, {"coefficient": 1e6}):
+        tree = _with_gradients(model, _tree, ids, mask, **kwargs)
         torch.testing.assert_close(tree[0], reference[0], rtol=0, atol=1e-13)
         torch.testing.assert_close(tree[1], reference[1], rtol=0, atol=1e-13)
         for name, grad in reference[2].items():  # fp32 LM head (see the packed test)

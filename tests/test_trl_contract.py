@@ -61,6 +61,7 @@ NEW_METHODS = {
         "_values",
         "_packed_values",
         "_critic_packable",
+        "_rank_balance_algorithm_blocker",
         "_step_critic",
         "_planner_algorithm",
         "_planner_extra_roles",

@@ -104,6 +104,49 @@ def plan_micro_batches(
     return MicroBatchPlan(micro_batches=micro_batches, rank_costs=rank_costs, oversize=oversize)
 
 
+def choose_row_width(
+    lengths: list[int], coefficient: float, max_width: int | None = None, widest_factor: float = 2.0
+) -> int:
+    """The width of packed rows (``packed_rows``) that costs least for these samples.
+
+    Rows as wide as the longest sample leave the last row's slack: ``ceil(total / longest)`` rows of ``longest``
+    positions (on a 16-sample micro-batch about 7 percent of what is processed). Slightly wider rows can hold the
+    same samples in one row fewer. Under a dense row mask (sdpa, eager) a row of W positions costs ``W * (c + W)``
+    (``sample_cost``'s model: the linear layers per position, attention over the whole row), so widening pays while
+    the positions it saves outweigh the wider attention. Each candidate row count R (from the longest sample's count
+    down) gets the narrowest width at which first-fit-decreasing packs the samples into R rows, searched from
+    ``ceil(total / R)`` upwards; the cheapest estimate wins, ties to the narrower. Widths stay within
+    ``widest_factor`` times the longest sample and ``max_width`` (a forward's token limit)."""
+    longest = max(lengths, default=1)
+    if longest < 1:
+        return 1
+    total = sum(lengths)
+    widest = int(longest * widest_factor) if max_width is None else min(int(longest * widest_factor), max_width)
+    widest = max(widest, longest)
+
+    def fit(width: int) -> tuple[int, int]:  # (rows, fullest row) of first-fit-decreasing at this width
+        bins = _first_fit_decreasing(list(range(len(lengths))), lengths, width)
+        return len(bins), max(sum(lengths[i] for i in b) for b in bins)
+
+    def cost(rows: int, fullest: int) -> float:
+        return rows * fullest * (coefficient + fullest)
+
+    best_rows, best_fullest = fit(longest)
+    best = (cost(best_rows, best_fullest), longest)
+    for rows in range(best_rows - 1, 0, -1):
+        width = max(longest, -(-total // rows))
+        if width > widest:
+            break
+        step = max(1, width // 128)  # first-fit-decreasing is not monotone in the width: scan, don't bisect
+        while width <= widest:
+            got, fullest = fit(width)
+            if got <= rows:
+                best = min(best, (cost(got, fullest), width))
+                break
+            width += step
+    return best[1]
+
+
 def _first_fit_decreasing(samples: list[int], lengths: list[int], max_tokens: int | None) -> list[list[int]]:
     """Bins of at most ``max_tokens`` tokens, longest samples first; each bin's samples in index order."""
     if not samples:

@@ -30,6 +30,8 @@ class PackedPass:
     autocast: the trainer's autocast context (``accelerator.autocast``).
     max_tokens: ``max_tokens_per_microbatch``: the most tokens of one packed row (None: the longest sample's).
     one_forward_with_grad: run a pass with gradients as one forward (see the module docstring).
+    coefficient: the model's ``attention_cost_coefficient``: rows of the cheapest width (``choose_row_width``);
+        None: rows as wide as the longest sample.
     """
 
     name = "packed"
@@ -41,8 +43,10 @@ class PackedPass:
         autocast: Callable,
         max_tokens: int | None = None,
         one_forward_with_grad: bool = False,
+        coefficient: float | None = None,
     ):
         self._one_forward_with_grad = one_forward_with_grad
+        self._coefficient = coefficient
         self._padded = padded
         self._agree_max = agree_max
         self._autocast = autocast
@@ -55,7 +59,12 @@ class PackedPass:
         one_forward = self._one_forward_with_grad and torch.is_grad_enabled()
         forward_tokens = forward_token_limit(request.batch_size, ids.size(1), self._max_tokens, one_forward)
         rows = PackedRows.build(
-            ids, mask, request.logits_to_keep, max_tokens=self._max_tokens, forward_tokens=forward_tokens
+            ids,
+            mask,
+            request.logits_to_keep,
+            max_tokens=self._max_tokens,
+            forward_tokens=forward_tokens,
+            coefficient=self._coefficient,
         )
         logps, entropies = [], []
         for forward in rows.forwards:

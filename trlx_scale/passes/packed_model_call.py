@@ -29,6 +29,7 @@ class PackedModelCall:
     agree_max: the largest of the ranks' values (forward counts under sharded parameters; see ``passes.packed``).
     max_tokens: ``max_tokens_per_microbatch`` (None: rows as wide as the longest sample, all in one forward).
     on_pass: called with each packed call's ``PackedRows`` (the trainer's metrics).
+    coefficient: the model's ``attention_cost_coefficient``: rows of the cheapest width (``choose_row_width``).
     """
 
     def __init__(
@@ -37,8 +38,10 @@ class PackedModelCall:
         agree_max: Callable[[int], int],
         max_tokens: int | None = None,
         on_pass: Callable[[PackedRows], None] | None = None,
+        coefficient: float | None = None,
     ):
         self.model = model
+        self._coefficient = coefficient
         self._agree_max = agree_max
         self._max_tokens = max_tokens
         self._on_pass = on_pass
@@ -47,7 +50,14 @@ class PackedModelCall:
         if set(kwargs) - _PACKABLE_KEYWORDS or not kwargs.get("fused_lm_head") or kwargs.get("labels") is None:
             return self.model(**kwargs)
         ids, mask, labels = kwargs["input_ids"], kwargs["attention_mask"], kwargs["labels"]
-        rows = PackedRows.build(ids, mask, labels=labels, max_tokens=self._max_tokens, forward_tokens=self._max_tokens)
+        rows = PackedRows.build(
+            ids,
+            mask,
+            labels=labels,
+            max_tokens=self._max_tokens,
+            forward_tokens=self._max_tokens,
+            coefficient=self._coefficient,
+        )
         per_forward: dict[str, list[torch.Tensor]] = {field: [] for field in PER_TOKEN_FIELDS}
         for forward in rows.forwards:
             outputs = self.model(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .micro_batch_plan import plan_micro_batches
+from .micro_batch_plan import choose_row_width, plan_micro_batches
 
 
 @dataclass
@@ -65,16 +65,24 @@ class PackedRows:
         labels: torch.Tensor | None = None,
         max_tokens: int | None = None,
         forward_tokens: int | None = None,
+        coefficient: float | None = None,
     ) -> PackedRows:
         """Pack the rows of a padded batch. ``completion_width``: its last columns that are the completion (TRL's
         GRPO ``logits_to_keep``), or ``labels``: the grid's labels, -100 where a token is not scored (TRL's DPO); ``max_tokens``: the most tokens in one packed row (None: the longest sample, so no
         packed row is wider than the padded one); ``forward_tokens``: the most tokens in one forward (None: all
-        rows at once)."""
+        rows at once); ``coefficient``: the model's ``attention_cost_coefficient`` — with it and no ``max_tokens``, the
+        rows take the width that costs least (``choose_row_width``: a little wider than the longest sample where that
+        saves a row), without it they are as wide as the longest sample."""
         mask = attention_mask.bool()
         lengths = mask.sum(dim=-1)
         length_list = lengths.tolist()
         longest = max(length_list, default=1)
-        row_tokens = max(longest, 1) if max_tokens is None else max_tokens
+        if max_tokens is not None:
+            row_tokens = max_tokens
+        elif coefficient is not None:
+            row_tokens = choose_row_width(length_list, coefficient, max_width=forward_tokens)
+        else:
+            row_tokens = max(longest, 1)
         plan = plan_micro_batches(length_list, num_ranks=1, max_tokens=row_tokens)
         bins = [b for b in plan.micro_batches[0] if b]
         row_tokens = max(row_tokens, longest)  # an oversize sample widens the rows it shares a forward with

@@ -21,7 +21,7 @@ class PackingFields:
             "help": "Run every pass over the policy, the reference and the critic on padding-free packed rows "
             "(each sample's real tokens, position_ids restarting at 0, no attention mask) instead of rows padded to "
             "the longest completion; the loss is the padded one up to float rounding. 'auto' (default: on a "
-            "long-tail workload the packed step is 2.4x TRL's padded one with 18 percent less peak memory, and on "
+            "long-tail workload the packed step is 2.3x TRL's padded one with less peak memory, and on "
             "the embedded model's GRPO step it is as fast: docs/benchmarks.md): on where the model keeps "
             "packed samples apart (sdpa/eager, flash-attention on GPU; checked once on the model), else off with "
             "the reason logged once; 'true': on, or an error naming what prevents it; 'false': padded rows, as TRL "

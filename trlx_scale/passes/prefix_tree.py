@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .logprob_pass import PassRequest, PassResult
-from .micro_batch_plan import plan_micro_batches
+from .micro_batch_plan import choose_row_width, plan_micro_batches
 from .packed_rows import forward_token_limit, lockstep_dummy, scatter_to_grid
 from .packing_support import attention_implementation
 from .shared_prefix import find_prompt_groups
@@ -61,7 +61,9 @@ class PrefixTreeRows:
         completion_width: int,
         max_tokens: int | None = None,
         forward_tokens: int | None = None,
+        coefficient: float | None = None,
     ) -> PrefixTreeRows:
+        """``max_tokens``, ``forward_tokens`` and ``coefficient`` as in ``PackedRows.build``, with trees for samples."""
         mask = attention_mask.bool()
         prompt_width = input_ids.size(1) - completion_width
         groups = find_prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
@@ -75,7 +77,12 @@ class PrefixTreeRows:
             for g in range(len(members))
         ]
         longest = max(tree_lengths, default=1)
-        row_tokens = longest if max_tokens is None else max(max_tokens, 1)
+        if max_tokens is not None:
+            row_tokens = max(max_tokens, 1)
+        elif coefficient is not None:
+            row_tokens = choose_row_width(tree_lengths, coefficient, max_width=forward_tokens)
+        else:
+            row_tokens = longest
         plan = plan_micro_batches(tree_lengths, num_ranks=1, max_tokens=row_tokens)
         bins = [b for b in plan.micro_batches[0] if b]
         row_tokens = max(row_tokens, longest)
@@ -141,7 +148,8 @@ class PrefixTreePass:
     Args:
         agree_max: the largest of the ranks' values (forward counts under sharded parameters; ``passes.packed``).
         autocast: the trainer's autocast context.
-        max_tokens: ``max_tokens_per_microbatch`` (None: rows as wide as the longest tree).
+        max_tokens: ``max_tokens_per_microbatch`` (None: rows as wide as the longest tree, or per ``coefficient``).
+        coefficient: the model's ``attention_cost_coefficient``: rows of the cheapest width (``choose_row_width``).
         fallback: the pass for requests this one does not cover (image inputs, a router loss).
         one_forward_with_grad: run a pass with gradients as one forward (see ``passes.packed``).
     """
@@ -155,8 +163,10 @@ class PrefixTreePass:
         autocast: Callable,
         max_tokens: int | None = None,
         one_forward_with_grad: bool = False,
+        coefficient: float | None = None,
     ):
         self._one_forward_with_grad = one_forward_with_grad
+        self._coefficient = coefficient
         self._fallback = fallback
         self._agree_max = agree_max
         self._autocast = autocast
@@ -173,7 +183,9 @@ class PrefixTreePass:
         ids, mask, keep = request.input_ids, request.attention_mask, request.logits_to_keep
         one_forward = self._one_forward_with_grad and torch.is_grad_enabled()
         forward_tokens = forward_token_limit(request.batch_size, ids.size(1), self._max_tokens, one_forward)
-        rows = PrefixTreeRows.build(ids, mask, keep, max_tokens=self._max_tokens, forward_tokens=forward_tokens)
+        rows = PrefixTreeRows.build(
+            ids, mask, keep, max_tokens=self._max_tokens, forward_tokens=forward_tokens, coefficient=self._coefficient
+        )
         eager = attention_implementation(model) == "eager"
         logps, entropies = [], []
         for forward in rows.forwards:

@@ -339,6 +339,7 @@ class DPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLDPOTrainer):
                 agree_max=self._agree_max,
                 max_tokens=option(self.args, "max_tokens_per_microbatch"),
                 on_pass=self._record_packed_rows if training else None,
+                coefficient=self._attention_cost_coefficient(),
             )
         elif training and "input_ids" in inputs:
             ids, mask = inputs["input_ids"], inputs["attention_mask"]

@@ -19,7 +19,8 @@ from .shared_fields import (
 )
 
 
-@registers_options()
+# A plain TRL config keeps each sample on the rank that generated it, as TRL does.
+@registers_options(plain_trl_defaults={"balance_ranks": "false"})
 @dataclass
 class GRPOConfig(
     ColocatedEngineFields,
@@ -42,7 +43,7 @@ class GRPOConfig(
     - optimizer fields shared with them (`OptimizerPresetFields`): `optim_preset`, `fp32_master_weights`;
     - packing fields shared with them (`PackingFields`): `padding_free`, `max_tokens_per_microbatch`;
     - GRPO's own: `offload_optimizer_during_generation`, `loss_recipe` (`"gspo"`), `shared_prefix`,
-      `old_logprobs_from_loss_pass`; and
+      `old_logprobs_from_loss_pass`, `balance_ranks`; and
       `importance_sampling_level` also accepts `"sequence_token"` (GSPO-token).
     """
 
@@ -72,6 +73,20 @@ class GRPOConfig(
             "else off with the reason logged once; 'true': on, or an error naming what prevents it; 'false': TRL's "
             "duplicated pass.",
             "choices": ["false", "true", "auto"],
+        },
+    )
+    balance_ranks: str = field(
+        default="auto",
+        metadata={
+            "help": "With several processes and padding-free rows: once a rollout is scored, deal its samples to the "
+            "ranks so that each rank's loss pass costs about the same (longest first by the packed-row cost, every "
+            "rank keeping its count of samples; a GRPO group stays together where ranks hold whole groups), instead "
+            "of each sample staying on the rank that generated it. The gradient is unchanged for every loss type "
+            "except 'bnpo' and a top_entropy_quantile below 1 (they depend on which samples share a micro-batch; "
+            "refused there). 'auto' (default: the same gradient, ranks in balance, docs/benchmarks.md): on where it "
+            "applies, else off with the reason logged once; 'true': on, or an error naming what prevents it; "
+            "'false': TRL's placement.",
+            "choices": ["auto", "true", "false"],
         },
     )
     old_logprobs_from_loss_pass: bool = field(
@@ -117,6 +132,13 @@ class GRPOConfig(
                     f"off_policy_mask_threshold (got loss_type={self.loss_type!r}, beta={self.beta}); use "
                     "importance_sampling_level='sequence' for the others."
                 )
+        if isinstance(self.balance_ranks, bool):
+            self.balance_ranks = "true" if self.balance_ranks else "false"
+        if self.balance_ranks not in ("auto", "true", "false"):
+            raise ValueError(
+                f"balance_ranks must be 'auto', 'true' or 'false', got {self.balance_ranks!r} ('auto' moves samples "
+                "between ranks where the loss allows it)."
+            )
         if isinstance(self.shared_prefix, bool):
             self.shared_prefix = "true" if self.shared_prefix else "false"
         if self.shared_prefix not in ("false", "true", "auto"):

@@ -47,6 +47,7 @@ from ..rollout.batch import RolloutBatch
 from .features import TrainerFeatures
 from .grpo_config import GRPOConfig
 from .padding_free_mixin import PaddingFreeMixin
+from .rank_balance_mixin import RankBalanceMixin
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -64,7 +65,7 @@ logger = logging.get_logger(__name__)
 ROLLOUT_STATE_NAME = "rollout_state_rank{}.pt"
 
 
-class GRPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer):
+class GRPOTrainer(RankBalanceMixin, PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer):
     """Group Relative Policy Optimization, as [`trl.GRPOTrainer`], with trlx_scale's scaling features.
 
     The constructor mirrors TRL's argument for argument (a contract test compares the signatures), so a script
@@ -208,7 +209,8 @@ class GRPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer):
             policy_version=version,
             process_index=self.accelerator.process_index,
         )
-        return self._finish_rollout(batch).to_trl()
+        # Then the samples are dealt to the ranks by cost where that leaves the loss unchanged (balance_ranks).
+        return self._balance_ranks(self._finish_rollout(batch).to_trl())
 
     def _defers_old_logprobs(self) -> bool:
         """Seam: whether vLLM's importance-sampling correction comes from the loss pass instead of TRL's separate
@@ -326,6 +328,7 @@ class GRPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer):
                 autocast=self.accelerator.autocast,
                 max_tokens=option(self.args, "max_tokens_per_microbatch"),
                 one_forward_with_grad=self._zero3_reentrant_checkpointing(model),
+                coefficient=self._attention_cost_coefficient(),
             )
             rows = PackedPass(padded, **layout)
         if not self._shared_prefix_enabled(model):

@@ -347,7 +347,12 @@ class PPOTrainer(GRPOTrainer):
         one_forward = torch.is_grad_enabled() and self._zero3_reentrant_checkpointing(self.model)
         forward_tokens = forward_token_limit(chunk_size, input_ids.size(1), max_tokens, one_forward)
         rows = PackedRows.build(
-            input_ids, attention_mask, length, max_tokens=max_tokens, forward_tokens=forward_tokens
+            input_ids,
+            attention_mask,
+            length,
+            max_tokens=max_tokens,
+            forward_tokens=forward_tokens,
+            coefficient=self._attention_cost_coefficient(),
         )
         outputs = [critic.values(f.input_ids, None, f.position_ids) for f in rows.forwards]
         values = rows.position_values(outputs)
@@ -356,6 +361,12 @@ class PPOTrainer(GRPOTrainer):
             dummy = input_ids[:1, :2]
             values = values + 0.0 * critic.values(dummy, None, torch.arange(2, device=dummy.device)[None]).sum()
         return values[:, -length - 1 : -1]
+
+    def _rank_balance_algorithm_blocker(self) -> str | None:
+        return (
+            "PPO's value loss divides by the tokens of each micro-batch step across the ranks, which moving samples "
+            "between ranks changes"
+        )
 
     def _critic_packable(self) -> bool:
         """The critic's own model passes the static packing gate (its backbone can differ from the policy's)."""
