@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 
 from trlx_scale.passes.micro_batch_plan import sample_cost
-from trlx_scale.rollout.rank_balance import balanced_rank_assignment, rank_balance_blocker, rank_costs
+from trlx_scale.rollout.rank_balance import (
+    balanced_rank_assignment,
+    rank_balance_blocker,
+    rank_costs,
+    unmovable_rollout_reason,
+)
 
 from .helpers.launch import run_torchrun_report
 from .helpers.trainers import small_grpo_config
@@ -48,13 +53,17 @@ def test_groups_move_whole_and_bad_shapes_are_refused():
 
 
 def test_the_move_is_refused_where_it_would_change_the_loss():
-    keys = ["prompt_ids", "completion_ids"]
-    assert rank_balance_blocker("dapo", 1.0, keys) is None
-    for loss_type in ("grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"):
-        assert rank_balance_blocker(loss_type, 1.0, keys) is None
-    assert "each micro-batch's token count" in rank_balance_blocker("bnpo", 1.0, keys)
-    assert "top_entropy_quantile" in rank_balance_blocker("grpo", 0.2, keys)
-    assert "image inputs (pixel_values)" in rank_balance_blocker("grpo", 1.0, [*keys, "pixel_values"])
+    for loss_type in ("grpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"):
+        assert rank_balance_blocker(loss_type, 1.0) is None
+    assert rank_balance_blocker("dapo", 1.0, gradient_accumulation_steps=8, steps_per_generation=4) is None
+    assert "each micro-batch's token count" in rank_balance_blocker("bnpo", 1.0)
+    assert "top_entropy_quantile" in rank_balance_blocker("grpo", 0.2)
+    assert "entropy bonus" in rank_balance_blocker("dapo", 1.0, entropy_bonus=True)
+    assert "load-balancing loss" in rank_balance_blocker("dapo", 1.0, router_aux_loss=True)
+    partial = rank_balance_blocker("dapo", 1.0, gradient_accumulation_steps=2, steps_per_generation=4)
+    assert "part of a rank's generation batch" in partial
+    assert unmovable_rollout_reason(["prompt_ids", "completion_ids"]) is None
+    assert "image inputs (pixel_values)" in unmovable_rollout_reason(["prompt_ids", "pixel_values"])
 
 
 def test_the_setting_is_checked(tmp_path):
@@ -73,7 +82,9 @@ def test_two_processes_exchange_rows_and_keep_every_value(tmp_path):
         assert rank["same_samples"], rank  # tokens, log-probs, masks, advantages, ratios, versions
         assert rank["prompt_width"] == rank["widest_prompt"]  # trimmed to what the kept rows use
         assert rank["completion_width"] == rank["logps_width"] == rank["widest_completion"]
-        assert rank["ratio_shape"] == [4, 1]  # a sequence-level ratio is not padded to the completion
+        assert rank["weight_shape"] == [4, 1]  # a one-column value is not padded to the completion
+        assert rank["ratio_width"] == rank["widest_completion"]
+        assert rank["ratio_padding_is_one"]  # TRL's exp(0) at the padding (VESPO reads it unmasked)
         assert rank["tool_mask_dtype"] == "torch.bool"
         assert rank["num_items_in_batch"] == 123.0  # a global value stays as it is
         assert rank["prompt_left_padded"]
@@ -94,5 +105,6 @@ def test_two_processes_train_the_same_with_the_samples_dealt_by_cost(tmp_path):
     for plain, ours in zip(placed["steps"], dealt["steps"], strict=True):
         assert "batch/rank_imbalance_after_balance" not in plain
         assert ours["reward"] == plain["reward"]  # the same rollouts (scored before the deal)
-        for key in ("loss", "grad_norm"):
+        # TRL logs the entropy as a token mean over every rank's tokens: it does not move with the samples either.
+        for key in ("loss", "grad_norm", "entropy"):
             assert ours[key] == pytest.approx(plain[key], rel=1e-3, abs=1e-6), key

@@ -1,7 +1,8 @@
 """Two gloo processes exchange rollout rows (``rollout.rank_balance.exchange_rows``) and check what they received.
 
 Each rank builds every rank's synthetic TRL rollout dict (the same seeds everywhere: ranks of different prompt and
-completion widths, a bool mask, a sequence-level ratio, a global count, per-row versions), exchanges its own by a
+completion widths, a bool mask, a token-level importance ratio (1 at the padding) and a one-column value, a global
+count, per-row versions), exchanges its own by a
 balanced assignment, and compares its new rows sample by sample with the originals: the real tokens and values, the
 trimmed widths, the untouched global value. Rank 0 writes the report.
 
@@ -37,7 +38,11 @@ def rollout(rank: int) -> dict:
         "advantages": torch.randn(ROWS, generator=generator),
         "num_items_in_batch": torch.tensor(123.0),
         "old_per_token_logps": -torch.rand(ROWS, completion_width, generator=generator) * completion_mask,
-        "importance_sampling_ratio": torch.rand(ROWS, 1, generator=generator),
+        # Token level: 1 at the padding, as TRL's exp(0); a sequence-level (one column) value beside it.
+        "importance_sampling_ratio": torch.where(
+            completion_mask.bool(), torch.rand(ROWS, completion_width, generator=generator), 1.0
+        ),
+        "sequence_weight": torch.rand(ROWS, 1, generator=generator),
         "tool_mask": completion_mask.bool(),
         "policy_version": torch.full((ROWS,), 7 + rank),
     }
@@ -52,7 +57,8 @@ def sample(rows: dict, i: int) -> dict:
         "logps": rows["old_per_token_logps"][i][completion].tolist(),
         "tool": rows["tool_mask"][i][completion].tolist(),
         "advantage": rows["advantages"][i].item(),
-        "ratio": rows["importance_sampling_ratio"][i].tolist(),
+        "ratio": rows["importance_sampling_ratio"][i][completion].tolist(),
+        "weight": rows["sequence_weight"][i].tolist(),
         "version": rows["policy_version"][i].item(),
     }
 
@@ -68,7 +74,7 @@ def main(report_path: str) -> None:
         for i in range(ROWS)
     ]
     assignment = balanced_rank_assignment(lengths, world, coefficient=10.0)
-    moved = exchange_rows(every[rank], assignment[rank], ROWS, accelerator, ["importance_sampling_ratio"])
+    moved = exchange_rows(every[rank], assignment[rank], ROWS, accelerator, ["sequence_weight"])
     expected = [sample(every[g // ROWS], g % ROWS) for g in assignment[rank]]
     got = [sample(moved, i) for i in range(moved["completion_ids"].size(0))]
     widest_prompt = max(len(s["prompt"]) for s in expected)
@@ -82,7 +88,11 @@ def main(report_path: str) -> None:
         "completion_width": moved["completion_ids"].size(1),
         "widest_completion": widest_completion,
         "logps_width": moved["old_per_token_logps"].size(1),
-        "ratio_shape": list(moved["importance_sampling_ratio"].shape),
+        "weight_shape": list(moved["sequence_weight"].shape),
+        "ratio_width": moved["importance_sampling_ratio"].size(1),
+        "ratio_padding_is_one": bool(
+            (moved["importance_sampling_ratio"][~moved["completion_mask"].bool()] == 1.0).all()
+        ),
         "tool_mask_dtype": str(moved["tool_mask"].dtype),
         "num_items_in_batch": moved["num_items_in_batch"].item(),
         "prompt_left_padded": bool((moved["prompt_mask"][:, -1] == 1).all()),

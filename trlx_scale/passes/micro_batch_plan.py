@@ -117,9 +117,9 @@ def choose_row_width(
     down) gets the narrowest width at which first-fit-decreasing packs the samples into R rows, searched from
     ``ceil(total / R)`` upwards; the cheapest estimate wins, ties to the narrower. Widths stay within
     ``widest_factor`` times the longest sample and ``max_width`` (a forward's token limit)."""
-    longest = max(lengths, default=1)
+    longest = max(lengths, default=0)
     if longest < 1:
-        return 1
+        return 1  # nothing to pack
     total = sum(lengths)
     widest = int(longest * widest_factor) if max_width is None else min(int(longest * widest_factor), max_width)
     widest = max(widest, longest)

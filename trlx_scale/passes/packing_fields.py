@@ -36,9 +36,10 @@ class PackingFields:
             "forward's transient memory (its attention scores, the LM head's tiles). The loss pass still keeps every "
             "forward's activations until the micro-batch's one backward (TRL's loss spans the micro-batch), so the "
             "micro-batch's activations are bounded by per_device_train_batch_size, not by this. A sample longer than "
-            "this gets a row of its own (counted in batch/oversize_samples, never dropped). Unset: a packed row is "
-            "as wide as the micro-batch's longest sample and a forward holds what TRL's padded chunk held "
-            "(per_device_train_batch_size rows of the padded width), so no forward is larger than TRL's."
+            "this gets a row of its own (counted in batch/oversize_samples, never dropped). Unset: packed rows take "
+            "the width that costs least by the model's shape (at least the micro-batch's longest sample, at most "
+            "twice it: a slightly wider row often holds the samples in one row fewer) and a forward holds at most "
+            "what TRL's padded chunk held (per_device_train_batch_size rows of the padded width)."
         },
     )
 

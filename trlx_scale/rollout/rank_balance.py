@@ -13,12 +13,16 @@ once the rollout is scored (advantages computed from every rank's rewards), the 
    ``exchange_rows`` moves the rows: each per-row tensor is padded to the widest rank's width, all-gathered, and a
    rank keeps its rows, trimmed back to the columns they use.
 
-What keeps the loss exact: the gradient of a GRPO step is a sum over the generation batch whose per-sample weights
-depend only on counts that moving a sample between ranks does not change, for every TRL ``loss_type`` but one:
+What keeps the loss exact: where an optimizer step spans whole generation batches (``gradient_accumulation_steps`` a
+multiple of ``steps_per_generation``, TRL's default), its gradient is a sum over them whose per-sample weights depend
+only on counts that moving a sample between ranks does not change, for every TRL ``loss_type`` but one:
 ``grpo``/``sapo``/``luspo`` (a mean over the micro-batch's sequences, whose count stays), ``dr_grpo`` (a constant),
-``dapo``/``cispo``/``vespo`` (the generation batch's token count). ``bnpo`` divides by the micro-batch's token count,
-and ``top_entropy_quantile < 1`` thresholds entropies per micro-batch: both depend on which samples share a
-micro-batch, so the move is refused there (``rank_balance_blocker``), as it is for batches it cannot move (images).
+``dapo``/``cispo``/``vespo`` (the generation batch's token count). What depends on which samples share a
+micro-batch or a forward refuses the move (``rank_balance_blocker``): ``bnpo`` (the micro-batch's token count),
+``top_entropy_quantile < 1`` (a per-micro-batch threshold), the entropy bonus (a per-micro-batch token mean), a
+router's load-balancing loss (per forward), and optimizer steps that take part of a generation batch; so do rollouts
+with image inputs (``unmovable_rollout_reason``). Padded columns get TRL's values where they are read unmasked (the
+importance-sampling ratio: 1).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ COMPOSITION_DEPENDENT_LOSS_TYPES = ("bnpo",)
 # Per-row tensors aligned with the prompt's columns (left-padded); every other 2D per-row tensor is aligned with the
 # completion's (right-padded) or has one column (a sequence-level importance ratio).
 PROMPT_ALIGNED = ("prompt_ids", "prompt_mask")
+# Padding values other than 0: TRL's importance-sampling ratio is exp(0) = 1 at padded columns, and VESPO's gamma
+# weights sum its logarithm without a mask.
+PAD_VALUES = {"importance_sampling_ratio": 1.0}
 # TRL rollout keys that are not per-row and hold the same value on every rank (the generation batch's token count).
 GLOBAL_KEYS = ("num_items_in_batch",)
 # TRL rollout keys that cannot be moved row by row (image inputs are not one row per sample).
@@ -52,12 +59,34 @@ UNMOVABLE_KEYS = (
 )
 
 
-def rank_balance_blocker(loss_type: str, top_entropy_quantile: float, keys: Iterable[str]) -> str | None:
-    """Why this run's rollouts cannot move between ranks without changing its loss, or None."""
+def rank_balance_blocker(
+    loss_type: str,
+    top_entropy_quantile: float,
+    entropy_bonus: bool = False,
+    router_aux_loss: bool = False,
+    gradient_accumulation_steps: int = 1,
+    steps_per_generation: int = 1,
+) -> str | None:
+    """Why this run's rollouts cannot move between ranks without changing its gradient, or None (the run's
+    settings; ``unmovable_rollout_reason`` checks each rollout)."""
     if loss_type in COMPOSITION_DEPENDENT_LOSS_TYPES:
         return f"loss_type={loss_type!r} divides by each micro-batch's token count, which a move changes"
     if top_entropy_quantile < 1.0:
         return "top_entropy_quantile < 1 thresholds entropies per micro-batch, which a move changes"
+    if entropy_bonus:
+        return "the entropy bonus (entropy_coef, use_adaptive_entropy) is a mean over each micro-batch's tokens"
+    if router_aux_loss:
+        return "the router's load-balancing loss is computed per forward, over the samples that share it"
+    if gradient_accumulation_steps % steps_per_generation:
+        return (
+            "an optimizer step takes part of a rank's generation batch (gradient_accumulation_steps is not a "
+            "multiple of steps_per_generation), so which samples it takes would change"
+        )
+    return None
+
+
+def unmovable_rollout_reason(keys: Iterable[str]) -> str | None:
+    """Why this rollout's rows cannot move (image inputs are not one row per sample), or None."""
     unmovable = sorted(set(keys) & set(UNMOVABLE_KEYS))
     if unmovable:
         return f"the rollout holds image inputs ({', '.join(unmovable)}), which are not one row per sample"
@@ -118,13 +147,14 @@ def exchange_rows(
             continue
         tensor = value.to(torch.uint8) if value.dtype == torch.bool else value  # (gloo gathers no bool)
         if tensor.dim() >= 2 and key not in unpadded:
-            tensor = accelerator.pad_across_processes(tensor, dim=1, pad_index=0, pad_first=key in PROMPT_ALIGNED)
+            pad = PAD_VALUES.get(key, 0)
+            tensor = accelerator.pad_across_processes(tensor, dim=1, pad_index=pad, pad_first=key in PROMPT_ALIGNED)
         gathered = accelerator.gather(tensor.contiguous()).index_select(0, index.to(tensor.device))
         moved[key] = gathered.bool() if value.dtype == torch.bool else gathered
-    return _trim(moved, rows["completion_ids"].size(1), unpadded)
+    return _trim(moved, unpadded)
 
 
-def _trim(rows: dict[str, Any], local_width: int, unpadded: set[str]) -> dict[str, Any]:
+def _trim(rows: dict[str, Any], unpadded: set[str]) -> dict[str, Any]:
     """Drop the columns no kept row uses (its rows need not be as wide as the widest rank's)."""
     prompt_mask, completion_mask = rows["prompt_mask"], rows["completion_mask"]
     used = prompt_mask.bool().any(dim=0).nonzero()

@@ -80,12 +80,14 @@ class GRPOConfig(
         metadata={
             "help": "With several processes and padding-free rows: once a rollout is scored, deal its samples to the "
             "ranks so that each rank's loss pass costs about the same (longest first by the packed-row cost, every "
-            "rank keeping its count of samples; a GRPO group stays together where ranks hold whole groups), instead "
-            "of each sample staying on the rank that generated it. The gradient is unchanged for every loss type "
-            "except 'bnpo' and a top_entropy_quantile below 1 (they depend on which samples share a micro-batch; "
-            "refused there). 'auto' (default: the same gradient, ranks in balance, docs/benchmarks.md): on where it "
-            "applies, else off with the reason logged once; 'true': on, or an error naming what prevents it; "
-            "'false': TRL's placement.",
+            "rank keeping its count of samples; a GRPO group stays together where ranks hold whole groups; nothing "
+            "moves unless the costliest rank's cost falls by more than 1 percent), instead of each sample staying "
+            "on the rank that generated it. The gradient is unchanged; refused where it would not be: loss_type "
+            "'bnpo', top_entropy_quantile below 1, the entropy bonus, a router's load-balancing loss, "
+            "gradient_accumulation_steps not a multiple of steps_per_generation, PPO; rollouts with image inputs "
+            "stay put. 'auto' (default: the same gradient, and under 2-process ZeRO-3 a 4 percent faster step with "
+            "the ranks balanced, docs/benchmarks.md): on where it applies, else off with the reason logged once; "
+            "'true': on, or an error naming what prevents it; 'false': TRL's placement.",
             "choices": ["auto", "true", "false"],
         },
     )

@@ -1,13 +1,16 @@
 """``RankBalanceMixin``: a scored GRPO rollout's samples dealt to the ranks by cost (``balance_ranks``).
 
 The dealing and the exchange are ``rollout.rank_balance``; this decides when they apply (several processes,
-padding-free rows, a loss the move leaves unchanged) and logs what they did: ``batch/rank_imbalance_before_balance``
+padding-free rows, a loss the move leaves unchanged: decided once from the settings; and, per rollout, fields that
+every rank has and that can move, agreed by the ranks) and logs what they did: ``batch/rank_imbalance_before_balance``
 (max over mean of the ranks' packed-row cost as TRL placed the samples) and ``batch/rank_imbalance_after_balance``.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from transformers.utils import logging
 
 from ..auto_switch import resolve_switch
 from ..options import option
@@ -16,7 +19,10 @@ from ..rollout.rank_balance import (
     exchange_rows,
     rank_balance_blocker,
     rank_costs,
+    unmovable_rollout_reason,
 )
+
+logger = logging.get_logger(__name__)
 
 # The deal replaces TRL's placement only if it lowers the costliest rank's cost by more than this fraction: a
 # balanced rollout (completions of equal lengths) moves nothing and costs no exchange.
@@ -32,10 +38,11 @@ class RankBalanceMixin:
         if world == 1 or not self.model.training:
             return rows
         if getattr(self, "_rank_balance_decision", None) is None:
+            # From the run's settings only (the same on every rank; padding_free is agreed by the ranks).
             self._rank_balance_decision, self.rank_balance_off_reason = resolve_switch(
-                "balance_ranks", option(self.args, "balance_ranks"), lambda: self._rank_balance_blocker(rows)
+                "balance_ranks", option(self.args, "balance_ranks"), self._rank_balance_blocker
             )
-        if not self._rank_balance_decision:
+        if not self._rank_balance_decision or not self._rollout_movable_on_every_rank(rows):
             return rows
         local = rows["prompt_mask"].sum(dim=1) + rows["completion_mask"].sum(dim=1)
         num_rows = local.numel()
@@ -43,7 +50,7 @@ class RankBalanceMixin:
         coefficient = self._attention_cost_coefficient()
         # A GRPO group moves whole where a rank holds whole groups (TRL's groups are consecutive rows of the global
         # batch): the shared prefix then still forwards its prompt once, and the placement is the same with the
-        # shared prefix on or off (so are the runs' metrics, such as the entropy's mean of the ranks' means).
+        # shared prefix on or off.
         unit = self.num_generations if num_rows % self.num_generations == 0 else 1
         placed = [list(range(r * num_rows, (r + 1) * num_rows)) for r in range(world)]
         assignment = balanced_rank_assignment(lengths, world, coefficient, unit_size=unit)
@@ -59,7 +66,24 @@ class RankBalanceMixin:
         unpadded = ("importance_sampling_ratio",) if sequence_ratio else ()
         return exchange_rows(rows, assignment[self.accelerator.process_index], num_rows, self.accelerator, unpadded)
 
-    def _rank_balance_blocker(self, rows: dict[str, Any]) -> str | None:
+    def _rollout_movable_on_every_rank(self, rows: dict[str, Any]) -> bool:
+        """Every rank's rollout has the same fields and none that cannot move (one all-gather of the field names
+        per rollout): a rank's batch can lack a field another has (TRL drops empty image lists per rank), and the
+        exchange runs one collective per field."""
+        import torch.distributed as dist
+
+        signature = (sorted(rows), unmovable_rollout_reason(rows))
+        everyone = [None] * self.accelerator.num_processes
+        dist.all_gather_object(everyone, signature)
+        if all(entry == signature for entry in everyone) and signature[1] is None:
+            return True
+        if not getattr(self, "_rank_balance_skip_logged", False):
+            reason = next((entry[1] for entry in everyone if entry[1]), "the ranks' rollouts hold different fields")
+            logger.warning("balance_ranks: a rollout stays where TRL placed it: %s.", reason)
+            self._rank_balance_skip_logged = True
+        return False
+
+    def _rank_balance_blocker(self) -> str | None:
         reason = self._rank_balance_algorithm_blocker()
         if reason is not None:
             return reason
@@ -68,7 +92,14 @@ class RankBalanceMixin:
                 "padding_free is off: a padded rank costs its widest sample times its rows, which dealing by length "
                 "does not balance"
             )
-        return rank_balance_blocker(self.loss_type, float(self.args.top_entropy_quantile), rows.keys())
+        return rank_balance_blocker(
+            self.loss_type,
+            float(self.args.top_entropy_quantile),
+            entropy_bonus=bool(getattr(self, "_entropy_bonus_enabled", False)),
+            router_aux_loss=bool(getattr(self, "aux_loss_enabled", False)),
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+            steps_per_generation=self.args.steps_per_generation,
+        )
 
     def _rank_balance_algorithm_blocker(self) -> str | None:
         """Seam: an algorithm whose loss depends on which rank holds a sample refuses the move (PPO)."""
