@@ -1,4 +1,4 @@
-"""``DPOConfig``: TRL's config plus the trlx_scale fields (all off or neutral by default)."""
+"""``DPOConfig``: TRL's config plus the trlx_scale fields (off, or the same objective, by default)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ class DPOConfig(
 ):
     r"""
     Configuration for [`trlx_scale.DPOTrainer`]: every field of [`trl.DPOConfig`], same names, same defaults, same
-    meaning, plus the fields below. While they keep their defaults the trainer behaves exactly like TRL's.
+    meaning, plus the fields below. While they keep their defaults the trainer optimises what TRL's does (the
+    defaults' packed rows (`padding_free`): the same losses up to float rounding).
     `padding_free` (TRL 1.16 switches its own off) is trlx_scale's (`PackingFields`): the chosen and rejected
     forwards on packed rows.
 

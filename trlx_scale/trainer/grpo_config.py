@@ -1,4 +1,4 @@
-"""``GRPOConfig``: TRL's config plus the trlx_scale fields (all off or neutral by default)."""
+"""``GRPOConfig``: TRL's config plus the trlx_scale fields (off, or the same objective, by default)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ class GRPOConfig(
 ):
     r"""
     Configuration for [`trlx_scale.GRPOTrainer`]: every field of [`trl.GRPOConfig`], same names, same defaults, same
-    meaning, plus the fields below. While they keep their defaults the trainer behaves exactly like TRL's.
+    meaning, plus the fields below. While they keep their defaults the trainer optimises what TRL's does (the
+    defaults' packed rows (`padding_free`) and samples dealt to the ranks (`balance_ranks`): the same losses up to float rounding).
 
     Each field's documentation is its `help` metadata (what `--help` prints and docs/configuration.md is generated
     from), written once:
