@@ -28,6 +28,12 @@ def attention_cost_coefficient(hidden_size: int, intermediate_size: int | None =
     return float(4 * hidden_size + 3 * intermediate)
 
 
+def imbalance(costs: list[float]) -> float:
+    """Max over mean of the ranks' costs (1.0: perfectly balanced, and for no cost at all)."""
+    mean = sum(costs) / max(len(costs), 1)
+    return max(costs) / mean if mean > 0 else 1.0
+
+
 def sample_cost(length: int, coefficient: float) -> float:
     """The relative cost of forwarding one sample of ``length`` tokens on its own segment of a packed row."""
     return coefficient * length + float(length) ** 2
@@ -49,8 +55,7 @@ class MicroBatchPlan:
     @property
     def rank_imbalance(self) -> float:
         """Max over mean of the ranks' costs (1.0: perfectly balanced)."""
-        mean = sum(self.rank_costs) / max(len(self.rank_costs), 1)
-        return max(self.rank_costs) / mean if mean > 0 else 1.0
+        return imbalance(self.rank_costs)
 
 
 def plan_micro_batches(

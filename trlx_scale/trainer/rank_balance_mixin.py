@@ -14,6 +14,7 @@ from transformers.utils import logging
 
 from ..auto_switch import resolve_switch
 from ..options import option
+from ..passes.micro_batch_plan import imbalance
 from ..rollout.rank_balance import (
     balanced_rank_assignment,
     exchange_rows,
@@ -58,8 +59,8 @@ class RankBalanceMixin:
         if max(after) > (1.0 - MIN_GAIN) * max(before):
             assignment, after = placed, before  # TRL's placement is as good: nothing moves, no exchange
         metrics = self._metrics["train"]
-        metrics["batch/rank_imbalance_before_balance"].append(_imbalance(before))
-        metrics["batch/rank_imbalance_after_balance"].append(_imbalance(after))
+        metrics["batch/rank_imbalance_before_balance"].append(imbalance(before))
+        metrics["batch/rank_imbalance_after_balance"].append(imbalance(after))
         if assignment is placed:
             return rows
         sequence_ratio = str(getattr(self, "vllm_importance_sampling_mode", "")).startswith("sequence")
@@ -104,8 +105,3 @@ class RankBalanceMixin:
     def _rank_balance_algorithm_blocker(self) -> str | None:
         """Seam: an algorithm whose loss depends on which rank holds a sample refuses the move (PPO)."""
         return None
-
-
-def _imbalance(costs: list[float]) -> float:
-    mean = sum(costs) / len(costs)
-    return max(costs) / mean if mean > 0 else 1.0
