@@ -1,0 +1,334 @@
+"""The asynchronous rollout producer: groups sampled and scored while the trainer trains, within a staleness bound.
+
+The producer runs its own event loop on a background thread. The trainer talks to it through three calls:
+``publish_version(v)`` after the weights of version ``v`` reached the server, ``take(count)`` for the next groups in
+order (blocking, with a timeout), and ``pop_metrics()``. In numbered steps:
+
+1. Groups are numbered in consumption order; ``prompt_for(k)`` gives group ``k``'s prompt (the trainer's data order,
+   so a resumed run asks for the same prompts).
+2. Group ``k`` starts when its scheduled version is on the server (``StalenessSchedule.may_start``), fewer than
+   ``max_inflight_tasks`` groups are in flight, and fewer than ``queue_maxsize`` groups wait to be taken. Its request
+   names the version (``StalenessSchedule.sampled_at``) and a seed that is a function of the run's seed, that
+   version and ``k``: the group's samples do not depend on timing, so a resumed run regenerates what was in flight.
+3. The sampler (a vLLM server client, or the simulated engine of the benchmark) returns the completions with the
+   behaviour log-probs and the version that really sampled them; a version outside the bound is an error
+   (``StalenessSchedule.check``), never a silently off-policy sample.
+4. The group is scored right away (``score``: reward functions awaited together, synchronous ones in a thread pool,
+   ``reward_scoring``), concurrently with every other group in flight.
+5. ``take`` hands groups out in index order, so the trainer sees the same data, in the same order, as a synchronous
+   run would; any error of a sampler or a reward function is raised there, in the trainer's thread.
+
+Metrics (``pop_metrics``, over the window since the last call): ``async/staleness_mean`` and ``async/staleness_max``
+of the groups taken, ``async/trainer_idle_frac`` (time blocked in ``take``), ``async/generator_idle_frac`` (time with
+no group in flight: the engine had nothing to do), ``async/groups_in_flight`` and ``async/groups_ready``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .staleness import StalenessSchedule
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One group to sample: ``num_generations`` completions of one prompt, by policy version ``version``."""
+
+    index: int
+    prompt: Any
+    num_generations: int
+    version: int
+    seed: int
+
+
+@dataclass
+class SampledGroup:
+    """What a sampler returns: the completions (token ids and, for rewards, text), the behaviour policy's log-prob of
+    each sampled token, and the version that sampled them (the server's answer, not the request's)."""
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    version: int
+    completions: list[Any] | None = None
+    prompt_ids: list[int] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ScoredGroup:
+    """A sampled group with its rewards ((completions, reward functions), NaN for None) and its staleness."""
+
+    request: GroupRequest
+    sampled: SampledGroup
+    rewards: list[list[float]]
+    staleness: int
+
+    @property
+    def index(self) -> int:
+        return self.request.index
+
+
+class GroupSampler(Protocol):
+    """Samples one group; awaited on the producer's event loop."""
+
+    async def sample(self, request: GroupRequest) -> SampledGroup: ...
+
+
+GroupScore = Callable[[GroupRequest, SampledGroup], Awaitable[list[list[float]]]]
+
+
+class RolloutProducerError(RuntimeError):
+    """The producer stopped: a sampler or a reward function failed (the cause is chained)."""
+
+
+def group_seed(seed: int, version: int, index: int) -> int:
+    """A 63-bit sampling seed for group ``index`` sampled by ``version`` in a run seeded with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}|async|{version}|{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+class RolloutProducer:
+    """Samples and scores groups ahead of the trainer within the staleness bound (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        prompt_for: Callable[[int], Any],
+        sampler: GroupSampler,
+        score: GroupScore,
+        schedule: StalenessSchedule,
+        num_generations: int,
+        seed: int,
+        max_inflight_tasks: int,
+        queue_maxsize: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_inflight_tasks < 1:
+            raise ValueError(f"max_inflight_tasks must be at least 1, got {max_inflight_tasks}.")
+        if queue_maxsize < schedule.groups_per_version:
+            raise ValueError(
+                f"queue_maxsize ({queue_maxsize}) must hold at least one step's groups "
+                f"({schedule.groups_per_version}), or the trainer could never take a full step."
+            )
+        self.prompt_for = prompt_for
+        self.sampler = sampler
+        self.score = score
+        self.schedule = schedule
+        self.num_generations = num_generations
+        self.seed = seed
+        self.max_inflight_tasks = max_inflight_tasks
+        self.queue_maxsize = queue_maxsize
+        self._clock = clock
+
+        self._lock = threading.Condition()
+        self._published: int | None = None
+        self._next_start = schedule.start_index
+        self._next_take = schedule.start_index
+        self._in_flight = 0
+        self._ready: dict[int, ScoredGroup] = {}
+        self._error: BaseException | None = None
+        self._closed = False
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._wake: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+        now = clock()
+        self._window_start = now
+        self._idle_since: float | None = now  # the generator is idle until the first group starts
+        self._generator_idle = 0.0
+        self._trainer_idle = 0.0
+        self._taken_staleness: list[int] = []
+
+    # ---------------------------------------------------------------- the trainer's side (any thread)
+    def start(self) -> None:
+        """Start the event loop thread (once)."""
+        if self._thread is not None:
+            raise RuntimeError("the rollout producer was already started.")
+        ready = threading.Event()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            self._wake = asyncio.Event()
+            ready.set()
+            self._loop.run_until_complete(self._schedule_groups())
+            self._loop.close()
+
+        self._thread = threading.Thread(target=run, name="trlx-scale-rollout-producer", daemon=True)
+        self._thread.start()
+        ready.wait()
+
+    def publish_version(self, version: int) -> None:
+        """The weights of ``version`` are on the server: the groups it samples may start."""
+        with self._lock:
+            if self._published is not None and version < self._published:
+                raise ValueError(f"published version went back from {self._published} to {version}.")
+            self._published = version
+        self._poke()
+
+    def take(self, count: int, timeout: float) -> list[ScoredGroup]:
+        """The next ``count`` groups in order, blocking at most ``timeout`` seconds for them."""
+        began = self._clock()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            wanted = range(self._next_take, self._next_take + count)
+            while not all(index in self._ready for index in wanted):
+                if self._error is not None:
+                    raise RolloutProducerError(f"the rollout producer failed: {self._error}") from self._error
+                if self._closed:
+                    raise RolloutProducerError("the rollout producer was closed.")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = [index for index in wanted if index not in self._ready]
+                    raise TimeoutError(
+                        f"no rollout for groups {missing[:8]} after {timeout:.0f} s (published version "
+                        f"{self._published}, {self._in_flight} groups in flight): the generation server answers too "
+                        "slowly or not at all. Check the server, or raise request_timeout."
+                    )
+                self._lock.wait(min(remaining, 1.0))
+            groups = [self._ready.pop(index) for index in wanted]
+            self._next_take += count
+            self._trainer_idle += self._clock() - began
+            self._taken_staleness.extend(group.staleness for group in groups)
+        self._poke()  # room in the queue
+        return groups
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The ``async/*`` metrics of the window since the last call."""
+        with self._lock:
+            now = self._clock()
+            elapsed = max(now - self._window_start, 1e-9)
+            idle = self._generator_idle + (now - self._idle_since if self._idle_since is not None else 0.0)
+            staleness = self._taken_staleness
+            metrics = {
+                "async/trainer_idle_frac": min(1.0, self._trainer_idle / elapsed),
+                "async/generator_idle_frac": min(1.0, idle / elapsed),
+                "async/groups_in_flight": float(self._in_flight),
+                "async/groups_ready": float(len(self._ready)),
+            }
+            if staleness:
+                metrics["async/staleness_mean"] = sum(staleness) / len(staleness)
+                metrics["async/staleness_max"] = float(max(staleness))
+            self._window_start = now
+            self._generator_idle = 0.0
+            if self._idle_since is not None:
+                self._idle_since = now
+            self._trainer_idle = 0.0
+            self._taken_staleness = []
+        return metrics
+
+    @property
+    def next_index(self) -> int:
+        """The first group not taken yet: what a checkpoint records (later groups are regenerated on resume)."""
+        return self._next_take
+
+    def close(self) -> None:
+        """Cancel what is in flight and stop the loop thread."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._cancel_all)
+            self._thread.join(timeout=30)
+
+    # ---------------------------------------------------------------- the event loop's side
+    def _poke(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # the loop stopped in between: nothing left to wake
+                pass
+
+    def _cancel_all(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._wake.set()
+
+    def _startable(self) -> bool:
+        index = self._next_start
+        waiting = len(self._ready) + self._in_flight
+        return (
+            self._error is None
+            and not self._closed
+            and self._in_flight < self.max_inflight_tasks
+            and waiting < self.queue_maxsize
+            and self.schedule.may_start(index, self._published)
+        )
+
+    async def _schedule_groups(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or self._error is not None:
+                    break
+                requests = []
+                while self._startable():
+                    requests.append(self._request(self._next_start))
+                    self._next_start += 1
+                    self._group_started()
+            for request in requests:
+                task = asyncio.get_running_loop().create_task(self._run_group(request))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            await self._wake.wait()
+            self._wake.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _request(self, index: int) -> GroupRequest:
+        version = self.schedule.sampled_at(index)
+        return GroupRequest(
+            index=index,
+            prompt=self.prompt_for(index),
+            num_generations=self.num_generations,
+            version=version,
+            seed=group_seed(self.seed, version, index),
+        )
+
+    def _group_started(self) -> None:
+        if self._in_flight == 0 and self._idle_since is not None:
+            self._generator_idle += self._clock() - self._idle_since
+            self._idle_since = None
+        self._in_flight += 1
+
+    def _group_ended(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle_since = self._clock()
+
+    async def _run_group(self, request: GroupRequest) -> None:
+        try:
+            sampled = await self.sampler.sample(request)
+            self.schedule.check(request.index, sampled.version)
+            if len(sampled.completion_ids) != request.num_generations:
+                raise RuntimeError(
+                    f"group {request.index}: the sampler returned {len(sampled.completion_ids)} completions, "
+                    f"{request.num_generations} were asked for."
+                )
+            rewards = await self.score(request, sampled)
+            scored = ScoredGroup(request, sampled, rewards, self.schedule.staleness(request.index, sampled.version))
+        except asyncio.CancelledError:
+            with self._lock:
+                self._group_ended()
+            raise
+        except Exception as error:  # handed to the trainer's thread by take()
+            with self._lock:
+                self._group_ended()
+                if self._error is None:
+                    self._error = error
+                self._lock.notify_all()
+            self._wake.set()
+            return
+        with self._lock:
+            self._group_ended()
+            self._ready[request.index] = scored
+            self._lock.notify_all()
+        self._wake.set()
