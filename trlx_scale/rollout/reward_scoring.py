@@ -58,8 +58,10 @@ class ConcurrentRewardScorer:
             else:
                 calls.append(loop.run_in_executor(self._pool, functools.partial(func, **kwargs)))
         outputs = await asyncio.gather(*calls)
-        columns = [self._column(name, output, len(completions)) for name, output in zip(self.names, outputs)]
-        return [list(row) for row in zip(*columns)]
+        columns = [
+            self._column(name, output, len(completions)) for name, output in zip(self.names, outputs, strict=True)
+        ]
+        return [list(row) for row in zip(*columns, strict=True)]
 
     @staticmethod
     def _column(name: str, output: Any, expected: int) -> list[float]:
