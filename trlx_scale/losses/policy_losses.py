@@ -49,6 +49,7 @@ def clipped_policy_loss(
     epsilon_high: float,
     level: str = "token",
     aggregation: str = "sequence_mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-style clipped surrogate, -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), aggregated over real tokens.
 
@@ -56,7 +57,9 @@ def clipped_policy_loss(
 
     ``aggregation``: "sequence_mean" averages each sequence over its tokens, then over sequences (every sequence
     weighs the same: GSPO's choice); "token_mean" averages over all real tokens of the batch (longer sequences weigh
-    more). Returns the loss and clip statistics (fractions of real tokens clipped below / above).
+    more). ``weights`` ((B, T) or (B, 1), no gradient) multiply each token's surrogate without changing the
+    normaliser: the off-policy correction of ``decoupled_objective``. Returns the loss and clip statistics (fractions
+    of real tokens clipped below / above).
     """
     if aggregation not in ("sequence_mean", "token_mean"):
         raise ValueError(f"aggregation must be 'sequence_mean' or 'token_mean', got {aggregation!r}.")
@@ -66,6 +69,8 @@ def clipped_policy_loss(
     advantages = advantages.unsqueeze(-1)
     per_token = -torch.min(ratio * advantages, clipped * advantages)
     per_token = per_token.expand_as(mask)  # sequence level: one value per sequence, spread over its tokens
+    if weights is not None:
+        per_token = per_token * weights
     if aggregation == "sequence_mean":
         loss = _masked_sequence_mean(per_token, mask).mean()
     else:
