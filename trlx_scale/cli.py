@@ -10,6 +10,7 @@ trlx-scale grpo --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name t
     --reward_funcs accuracy_reward --accelerate_config zero3     # as `trl grpo`; every config field is a flag
 trlx-scale grpo                                              # the embedded model on the embedded task
 trlx-scale recipes [list|show|check] [NAME ...]              # checked configurations for real models and GPUs
+trlx-scale serve Qwen/Qwen3-0.6B --devices 4,5,6,7 --max-staleness 4   # a vLLM server for asynchronous GRPO
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import sys
 
 from .atomic_files import write_text_atomically
+from .generation.serve_command import add_serve_parser
 from .launch_config import BACKENDS, MAIN_NODE_IP_PLACEHOLDER, LaunchPlan
 from .launch_training import TRAINING_COMMANDS
 from .planning.command import add_plan_parser
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     add_report_parser(commands)
     add_recipes_parser(commands)
+    add_serve_parser(commands)
     for name, algorithm in TRAINING_COMMANDS.items():
         commands.add_parser(name, help=f"train with {algorithm} (TRL's `trl {name}` flags; --help lists them)")
 
@@ -103,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         from .launch_training import run_training_command
 
         return run_training_command(argv[0], argv[1:])
+    passthrough = []
+    if argv and argv[0] == "serve" and "--" in argv:  # `trlx-scale serve MODEL -- <vLLM's own flags>`
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    if passthrough:
+        args.vllm_args = passthrough
     return args.handler(args)
 
 

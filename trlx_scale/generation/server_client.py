@@ -1,0 +1,284 @@
+"""The client of one or more vLLM OpenAI servers: sampling groups, loading weights, and clear errors.
+
+Sampling (``sample``, a ``GroupSampler`` of the rollout producer): one ``/v1/completions`` request per group, the
+prompt as token ids sent once with ``n`` = the group size, the request's seed, ``logprobs: 0`` (the sampled tokens'
+log-probs) and ``return_token_ids``. With several servers (data-parallel replicas) group ``k`` goes to replica
+``k mod replicas``: balanced, and the same replica whatever the timing. Every weight update goes to every replica.
+
+Which weights answer is part of the request, and checked on the answer:
+
+- LoRA: each policy version is an adapter of its own name (``adapter_name(v)``: vLLM's prefix cache is keyed on the
+  name, so a new version never reuses an old one's cached prompt states), loaded from its files at run time and
+  unloaded when no sample can still use it. The request names the version's adapter; the answer must name it too.
+  (Never a base-model request beside LoRA ones: on vLLM 0.32's CPU LoRA kernels the base requests of a mixed batch
+  get the last adapter's outputs, since "no adapter" is index -1.)
+- Full weights: the server reloads the version's files (``reload_weights``: pause, ``reload_weights`` through
+  ``/collective_rpc``, reset the prefix cache, resume); requests in flight finish on the old weights first
+  (``/pause?mode=wait``), so the version recorded at sending is the one that answers.
+
+Faults are errors within ``request_timeout`` seconds, never a hang: an unreachable server
+(``ServerUnreachableError``), a server that serves another model (``ServerModelMismatchError``), a server that dies
+or fails mid-run (``ServerFailedError``, with the exit code and the end of the log when this process started it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ..rollout.async_producer import GroupRequest, SampledGroup
+from .vllm_server import VLLMServerProcess
+
+
+class ServerError(RuntimeError):
+    """A vLLM server could not do what the trainer asked."""
+
+
+class ServerUnreachableError(ServerError):
+    """Nothing answers at the server's URL."""
+
+
+class ServerModelMismatchError(ServerError):
+    """The server answers, but serves another model (or not the adapter asked for)."""
+
+
+class ServerFailedError(ServerError):
+    """The server died, closed a connection mid-request, or answered with an error."""
+
+
+def adapter_name(version: int) -> str:
+    """The name policy version ``version``'s LoRA adapter is served under."""
+    return f"trlx-scale-policy-v{version}"
+
+
+@dataclass
+class SamplingSettings:
+    """The sampling fields of a completion request (TRL's GRPO fields of the same names)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def body(self) -> dict[str, Any]:
+        body = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        if self.top_k and self.top_k > 0:
+            body["top_k"] = self.top_k
+        if self.min_p:
+            body["min_p"] = self.min_p
+        if self.repetition_penalty != 1.0:
+            body["repetition_penalty"] = self.repetition_penalty
+        return body
+
+
+def default_prompt_ids(prompt: Any) -> list[int]:
+    """The token ids of a producer prompt: the prompt itself, or its ``prompt_ids`` entry."""
+    return list(prompt["prompt_ids"] if isinstance(prompt, dict) else prompt)
+
+
+class VLLMServerClient:
+    """See the module docstring. ``model``: the base model's served name (``--served-model-name``, else its path).
+    ``process``: the server this trainer started, if it did (its exit is then reported in errors)."""
+
+    def __init__(
+        self,
+        base_urls: Sequence[str],
+        model: str,
+        sampling: SamplingSettings,
+        request_timeout: float = 600.0,
+        lora: bool = False,
+        process: VLLMServerProcess | None = None,
+        prompt_ids: Callable[[Any], list[int]] = default_prompt_ids,
+    ):
+        if not base_urls:
+            raise ValueError("vllm_server_base_url: give at least one server URL.")
+        self.base_urls = [url.rstrip("/") for url in base_urls]
+        self.model = model
+        self.sampling = sampling
+        self.request_timeout = request_timeout
+        self.lora = lora
+        self.process = process
+        self.prompt_ids = prompt_ids
+        self.full_weights_version: int = 0  # the base weights the servers started with are version 0
+        self.loaded_adapters: dict[int, str] = {}
+        self._async_client: httpx.AsyncClient | None = None
+
+    # ---------------------------------------------------------------- errors
+    def _failure(self, url: str, error: Exception) -> ServerError:
+        if self.process is not None and not isinstance(error, httpx.TimeoutException):
+            self.process.wait_for_exit(2.0)  # a dropped connection: the process may be exiting right now
+        dead = self.process is not None and not self.process.alive()
+        if dead:
+            return ServerFailedError(f"the vLLM server at {url} died: {self.process.exit_report()}")
+        if isinstance(error, httpx.ConnectError):
+            return ServerUnreachableError(
+                f"no vLLM server answers at {url} ({error}). Start one with `trlx-scale serve MODEL` and pass its URL "
+                "as vllm_server_base_url, or leave vllm_server_base_url unset and the trainer starts one."
+            )
+        if isinstance(error, httpx.TimeoutException):
+            return ServerFailedError(
+                f"the vLLM server at {url} did not answer within request_timeout={self.request_timeout:.0f} s "
+                f"({type(error).__name__}). Check the server, or raise request_timeout."
+            )
+        return ServerFailedError(f"the vLLM server at {url} failed mid-request: {type(error).__name__}: {error}")
+
+    def _check_status(self, url: str, response: httpx.Response, what: str) -> None:
+        if response.status_code == 200:
+            return
+        text = response.text[:500]
+        if response.status_code == 404 and "does not exist" in text:
+            raise ServerModelMismatchError(
+                f"the vLLM server at {url} does not serve the model {what} asks for: {text}. Point "
+                "vllm_server_base_url at a server started for this model (`trlx-scale serve MODEL`)."
+            )
+        raise ServerFailedError(f"the vLLM server at {url} answered {what} with HTTP {response.status_code}: {text}")
+
+    def _request(self, method: str, url: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = httpx.request(method, url + path, timeout=self.request_timeout, **kwargs)
+        except httpx.HTTPError as error:
+            raise self._failure(url, error) from error
+        self._check_status(url, response, what)
+        return response
+
+    # ---------------------------------------------------------------- the served model
+    def served_models(self, url: str) -> list[dict[str, Any]]:
+        return self._request("GET", url, "/v1/models", "the model list").json()["data"]
+
+    def check_model(self, expected: str) -> None:
+        """Every server serves ``expected`` (a path or a Hub id) as its base model, under ``self.model``."""
+        for url in self.base_urls:
+            base = [entry for entry in self.served_models(url) if entry.get("parent") is None]
+            names = {entry["id"] for entry in base} | {entry.get("root") for entry in base}
+            if self.model not in names or not ({expected, os.path.abspath(expected)} & names):
+                raise ServerModelMismatchError(
+                    f"the vLLM server at {url} serves {sorted(n for n in names if n)}, but this trainer trains "
+                    f"{expected!r} (served as {self.model!r}). Start the server for this model, "
+                    f"`trlx-scale serve {expected}`, or point vllm_server_base_url at one that serves it."
+                )
+
+    # ---------------------------------------------------------------- sampling
+    def model_for(self, version: int) -> str:
+        """The served name that answers for ``version``."""
+        if not self.lora:
+            return self.model
+        if version not in self.loaded_adapters:
+            raise ServerModelMismatchError(
+                f"policy version {version}'s adapter is not loaded on the servers (loaded: "
+                f"{sorted(self.loaded_adapters)})."
+            )
+        return self.loaded_adapters[version]
+
+    async def sample(self, request: GroupRequest) -> SampledGroup:
+        """One group: ``request.num_generations`` completions of the prompt by ``request.version``."""
+        url = self.base_urls[request.index % len(self.base_urls)]
+        if self.lora:
+            name, version = self.model_for(request.version), request.version
+        else:
+            name, version = self.model, self.full_weights_version
+        body = {
+            "model": name,
+            "prompt": self.prompt_ids(request.prompt),
+            "n": request.num_generations,
+            "seed": request.seed,
+            "logprobs": 0,
+            "return_token_ids": True,
+            **self.sampling.body(),
+        }
+        if self._async_client is None:  # made on the producer's event loop, which it then belongs to
+            self._async_client = httpx.AsyncClient(timeout=self.request_timeout)
+        try:
+            response = await self._async_client.post(url + "/v1/completions", json=body)
+        except httpx.HTTPError as error:
+            raise self._failure(url, error) from error
+        self._check_status(url, response, f"group {request.index}")
+        answer = response.json()
+        if answer.get("model") != name:
+            raise ServerModelMismatchError(
+                f"group {request.index}: asked {url} for {name!r}, the answer came from {answer.get('model')!r}."
+            )
+        choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+        return SampledGroup(
+            completion_ids=[list(choice["token_ids"]) for choice in choices],
+            logprobs=[list(choice["logprobs"]["token_logprobs"]) for choice in choices],
+            completions=[choice["text"] for choice in choices],
+            version=version,
+            prompt_ids=body["prompt"],
+        )
+
+    def prompt_logprobs(self, token_ids: list[int], version: int) -> list[list[float]]:
+        """Each server's log-probs of ``token_ids[1:]`` given what precedes, by ``version``'s weights: the probe
+        that checks a weight update arrived (compared with the trainer's own log-probs of the same tokens)."""
+        body = {
+            "model": self.model_for(version) if self.lora else self.model,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 1.0,
+        }
+        results = []
+        for url in self.base_urls:
+            answer = self._request("POST", url, "/v1/completions", "the probe", json=body).json()
+            scored = answer["choices"][0]["prompt_logprobs"][1:]
+            results.append([entry[str(token)]["logprob"] for entry, token in zip(scored, token_ids[1:], strict=True)])
+        return results
+
+    # ---------------------------------------------------------------- weight updates
+    def load_adapter(self, version: int, path: str) -> float:
+        """Load ``version``'s adapter (saved at ``path``) on every server under its own name, and check that each
+        lists it from that path. Returns the seconds it took."""
+        began = time.monotonic()
+        name = adapter_name(version)
+        for url in self.base_urls:
+            self._request(
+                "POST", url, "/v1/load_lora_adapter", "the adapter load", json={"lora_name": name, "lora_path": path}
+            )
+            listed = {entry["id"]: entry.get("root") for entry in self.served_models(url)}
+            if listed.get(name) != path:
+                raise ServerModelMismatchError(
+                    f"the vLLM server at {url} was asked to load {name} from {path} but lists {listed.get(name)!r}."
+                )
+        self.loaded_adapters[version] = name
+        return time.monotonic() - began
+
+    def unload_adapter(self, version: int) -> None:
+        name = self.loaded_adapters.pop(version)
+        for url in self.base_urls:
+            self._request("POST", url, "/v1/unload_lora_adapter", "the adapter unload", json={"lora_name": name})
+
+    def reload_weights(self, version: int, path: str) -> tuple[float, float]:
+        """Every server reloads its weights from the checkpoint files at ``path`` (version ``version``). Returns the
+        seconds the servers were paused (the longest) and the seconds it took in all."""
+        if not os.path.isdir(path) or not any(name.endswith(".safetensors") for name in os.listdir(path)):
+            # vLLM 0.32 answers a bad path with an error but leaves its weights unloaded, and dies at the next request.
+            raise FileNotFoundError(f"no safetensors weights in {path}: not sent to the server.")
+        began, paused = time.monotonic(), 0.0
+        for url in self.base_urls:
+            self._request("POST", url, "/pause", "the pause", params={"mode": "wait"})
+            pause_began = time.monotonic()
+            try:
+                self._request(
+                    "POST",
+                    url,
+                    "/collective_rpc",
+                    "the weight reload",
+                    json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+                )
+                self._request("POST", url, "/reset_prefix_cache", "the prefix-cache reset")
+            finally:
+                self._request("POST", url, "/resume", "the resume")
+            paused = max(paused, time.monotonic() - pause_began)
+        self.full_weights_version = version
+        return paused, time.monotonic() - began
+
+    async def aclose(self) -> None:
+        if self._async_client is not None:
+            await self._async_client.aclose()
+            self._async_client = None

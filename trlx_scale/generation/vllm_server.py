@@ -1,0 +1,215 @@
+"""A vLLM OpenAI server as a supervised subprocess: what ``trlx-scale serve`` runs and what an asynchronous trainer
+starts itself when it is given no server URL.
+
+The flags are the ones the asynchronous trainer needs (``ServerLaunch.arguments``):
+
+- runtime LoRA loading (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) with ``--max-loras`` at least
+  ``max_staleness + 2``: every version a sample in flight may still use, plus the one being loaded;
+- the development endpoints (``VLLM_SERVER_DEV_MODE=1``): ``/pause``, ``/resume``, ``/collective_rpc`` (a full-weight
+  reload), ``/reset_prefix_cache``;
+- ``--logprobs-mode processed_logprobs``: the log-probs of the distribution the engine sampled from, after
+  temperature (what the trainer's log-probs are compared with; TRL's colocated engine uses the same mode);
+- ``--enable-prefix-caching`` (a group's prompt is computed once for its n samples), ``--dtype``, ``--seed``.
+
+The process runs in a session of its own (``start_new_session``): stopping it stops its engine and worker processes
+too (a killed API server otherwise leaves them running). Start-up is watched: the server must answer ``/health``
+within ``startup_timeout`` seconds, and a server that exits during start-up is reported with the end of its log.
+On CPU its KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 unless exported), as for the colocated engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from ..compat.vllm_server_entrypoint import server_command
+from .cpu_environment import KVCACHE_SPACE_ENV, running_on_cpu_only
+
+LOG_TAIL_LINES = 40
+
+
+class VLLMServerStartError(RuntimeError):
+    """The server exited or did not answer during start-up (the message holds the end of its log)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the server is told it explicitly: with ``--port 0`` vLLM never prints the
+    port it bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class ServerLaunch:
+    """What to serve and how (see the module docstring for why each flag)."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    enable_lora: bool = True
+    max_loras: int = 6
+    max_lora_rank: int = 64
+    seed: int = 0
+    devices: str | None = None
+    kvcache_space_gib: int = 1
+    extra_args: Sequence[str] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}.")
+        if self.port is None:
+            self.port = free_port(self.host)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def arguments(self, python: str | None = None) -> list[str]:
+        """The server's argv."""
+        argv = server_command(self.model, python)
+        argv += ["--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--seed", str(self.seed)]
+        argv += ["--enable-prefix-caching", "--logprobs-mode", "processed_logprobs"]
+        if self.served_model_name:
+            argv += ["--served-model-name", self.served_model_name]
+        if self.max_model_len:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        if self.enable_lora:
+            argv += ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
+        return argv + list(self.extra_args)
+
+    def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """The server's environment: the caller's, plus runtime LoRA, the dev endpoints, the devices and, on CPU,
+        a small KV cache unless one was exported."""
+        env = dict(os.environ if base is None else base)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.devices
+        if running_on_cpu_only():
+            env.setdefault(KVCACHE_SPACE_ENV, str(self.kvcache_space_gib))
+        # A training process's torch.distributed variables must not reach the server's own process group.
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)
+        return env
+
+    def shell_command(self) -> str:
+        """The command a user runs by hand for this server (what ``trlx-scale serve`` prints)."""
+        env = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 VLLM_SERVER_DEV_MODE=1"
+        if self.devices is not None:
+            env += f" CUDA_VISIBLE_DEVICES={self.devices}"
+        if running_on_cpu_only():
+            env += f" {KVCACHE_SPACE_ENV}={os.environ.get(KVCACHE_SPACE_ENV, self.kvcache_space_gib)}"
+        return env + " " + " ".join(self.arguments())
+
+
+class VLLMServerProcess:
+    """A running server: ``start`` waits until it answers, ``stop`` ends it and its engine processes."""
+
+    def __init__(self, launch: ServerLaunch, startup_timeout: float = 300.0, log_path: str | None = None):
+        self.launch = launch
+        self.startup_timeout = startup_timeout
+        self.log_path = log_path or tempfile.mkstemp(prefix="trlx-scale-vllm-server-", suffix=".log")[1]
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return self.launch.url
+
+    def start(self) -> VLLMServerProcess:
+        if self.process is not None:
+            raise RuntimeError("this server was already started.")
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.launch.arguments(),
+                env=self.launch.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise VLLMServerStartError(
+                    f"the vLLM server for {self.launch.model} exited with code {code} during start-up. "
+                    f"The end of its log ({self.log_path}):\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise VLLMServerStartError(
+                    f"the vLLM server for {self.launch.model} did not answer {self.url}/health within "
+                    f"{self.startup_timeout:.0f} s (vllm_server_timeout). The end of its log ({self.log_path}):\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_for_exit(self, timeout: float) -> bool:
+        """Whether the server process has exited within ``timeout`` seconds (False: it is still running)."""
+        if self.process is None:
+            return False
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def exit_report(self) -> str:
+        """Why the server is gone, for an error message: its exit code and the end of its log."""
+        code = None if self.process is None else self.process.poll()
+        state = "is running" if code is None else f"exited with code {code}"
+        return f"the server process {state}; the end of its log ({self.log_path}):\n{self.log_tail()}"
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path, errors="replace") as log:
+                return "".join(log.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM to the server's session, SIGKILL after ``timeout`` seconds: no engine process is left behind."""
+        if self.process is None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+            # The API server is gone; its engine processes share the session and get the same signal.
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            break
+
+    def __enter__(self) -> VLLMServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
