@@ -1,7 +1,7 @@
 """trlx_scale: TRL's trainers with the systems techniques of verl and OpenRLHF.
 
 ``from trlx_scale import GRPOTrainer, GRPOConfig`` (and ``DPOTrainer``, ``DPOConfig``; ``PPOTrainer``, ``PPOConfig`` replace TRL's removed PPO) is a drop-in replacement for
-``from trl import ...``.
+``from trl import ...``; ``AsyncGRPOTrainer``, ``AsyncGRPOConfig`` for TRL's experimental asynchronous GRPO.
 
 The names below are imported on first use (PEP 562), so that ``import trlx_scale.planning`` and the
 ``trlx-scale plan`` command do not pay for torch, TRL and vLLM.
@@ -21,6 +21,8 @@ silence_known_warnings()  # before anything imports TRL or vLLM (compat/known_wa
 
 # public name -> module that defines it
 _LAZY = {
+    "AsyncGRPOConfig": ".trainer",
+    "AsyncGRPOTrainer": ".trainer",
     "DPOConfig": ".trainer",
     "DPOTrainer": ".trainer",
     "GRPOConfig": ".trainer",
@@ -32,6 +34,8 @@ _LAZY = {
 _MOVED_TO_TASKS = ("addition_dataset", "addition_preference_dataset", "default_model_path", "exact_match_reward")
 
 __all__ = [
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
     "DPOConfig",
     "DPOTrainer",
     "GRPOConfig",
@@ -42,7 +46,16 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .trainer import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+    from .trainer import (
+        AsyncGRPOConfig,
+        AsyncGRPOTrainer,
+        DPOConfig,
+        DPOTrainer,
+        GRPOConfig,
+        GRPOTrainer,
+        PPOConfig,
+        PPOTrainer,
+    )
 
 
 def __getattr__(name: str):

@@ -107,6 +107,7 @@ class RolloutProducer:
         seed: int,
         max_inflight_tasks: int,
         queue_maxsize: int,
+        seed_for: Callable[[int, int, Any], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if max_inflight_tasks < 1:
@@ -124,6 +125,8 @@ class RolloutProducer:
         self.seed = seed
         self.max_inflight_tasks = max_inflight_tasks
         self.queue_maxsize = queue_maxsize
+        # (group index, version, prompt) -> the request's seed; default: ``group_seed`` of the run's seed.
+        self.seed_for = seed_for or (lambda index, version, prompt: group_seed(seed, version, index))
         self._clock = clock
 
         self._lock = threading.Condition()
@@ -285,12 +288,13 @@ class RolloutProducer:
 
     def _request(self, index: int) -> GroupRequest:
         version = self.schedule.sampled_at(index)
+        prompt = self.prompt_for(index)
         return GroupRequest(
             index=index,
-            prompt=self.prompt_for(index),
+            prompt=prompt,
             num_generations=self.num_generations,
             version=version,
-            seed=group_seed(self.seed, version, index),
+            seed=self.seed_for(index, version, prompt),
         )
 
     def _group_started(self) -> None:

@@ -24,7 +24,8 @@ log-prob passes, ``passes.packed_rows``, from these padded tensors, and their ou
   the engine; ``ref_per_token_logps``: (B, C) the reference's (None without a KL term);
 - ``old_values``, ``returns``: (B, C) PPO's critic values and GAE returns (None elsewhere);
 - ``policy_version``: the version of the policy whose weights the engine served when it generated these samples
-  (``PolicyVersionMixin``); on the wire a (B,) int64 tensor, so it survives TRL's splits and shuffles.
+  (``PolicyVersionMixin``): one int for the batch, or a (B,) tensor, one per row, where rows come from several
+  versions (asynchronous generation); on the wire a (B,) int64 tensor, so it survives TRL's splits and shuffles.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class RolloutBatch:
     completion_mask: torch.Tensor
     advantages: torch.Tensor
     rewards_per_func: torch.Tensor
-    policy_version: int
+    policy_version: int | torch.Tensor
     process_index: int = 0
     old_per_token_logps: torch.Tensor | None = None
     sampling_per_token_logps: torch.Tensor | None = None
@@ -119,7 +120,12 @@ class RolloutBatch:
         added = [key for key in values if key not in self._key_order and values[key] is not None]
         trl = {key: values[key] for key in [*self._key_order, *added]}
         device = self.completion_ids.device
-        trl[POLICY_VERSION_KEY] = torch.full((self.num_rows,), self.policy_version, dtype=torch.long, device=device)
+        if isinstance(self.policy_version, torch.Tensor):  # one per row (asynchronous generation)
+            trl[POLICY_VERSION_KEY] = self.policy_version.to(device=device, dtype=torch.long)
+        else:
+            trl[POLICY_VERSION_KEY] = torch.full(
+                (self.num_rows,), self.policy_version, dtype=torch.long, device=device
+            )
         return trl
 
 

@@ -1,0 +1,227 @@
+"""The rollout engine on vLLM servers: a ``RolloutEngine`` whose completions come from the asynchronous producer.
+
+``AsyncGRPOTrainer`` hands this object to TRL where TRL expects its vLLM engine (``vllm_generation``), as
+``GRPOTrainer`` hands it the colocated one. Two duties:
+
+1. Weights (``ensure_version``): at every ``weight_sync_steps``-th policy version the trainer's weights go to every
+   server as files (``server_weights``): the LoRA adapter under the version's own name, or the full (merged)
+   weights reloaded in place. Every update is verified, not trusted (verl 7495: an adapter never delivered, and the
+   rollouts sampled the initial policy for the whole run): the servers' log-probs of a probe sequence must match
+   the trainer's own by the new weights within ``verify_tolerance``, else the run stops with an error. Then the
+   version is published to the producer, and the adapters no group can still ask for are unloaded.
+2. Completions (``generate``): TRL's call for a rollout takes the producer's next groups, checks that their prompts
+   are the ones TRL tokenized, and returns them in TRL's shape. The groups stay available (``last_groups``) for the
+   rewards the producer computed.
+
+Gathering weights is a collective under ZeRO-3, so every rank runs ``ensure_version``; the main process alone
+writes files and talks to the servers, then every rank publishes the version to its own producer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from trl.distributed import DistributedBackend
+
+from ..peft_models import is_peft_model
+from ..profiling.phase_timer import PhaseTimer
+from ..rollout.async_producer import RolloutProducer, ScoredGroup
+from ..rollout.staleness import StalenessSchedule
+from . import server_weights
+from .server_client import VLLMServerClient
+from .vllm_server import VLLMServerProcess
+
+logger = logging.getLogger(__name__)
+
+
+class WeightDeliveryError(RuntimeError):
+    """A server does not serve the weights it was sent."""
+
+
+class ServerGeneration:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        accelerator: Any,
+        client: VLLMServerClient,
+        producer: RolloutProducer,
+        schedule: StalenessSchedule,
+        policy_version: Callable[[], int],
+        probe_ids: list[int],
+        verify_tolerance: float,
+        request_timeout: float,
+        weights_root: str | None = None,
+        server_process: VLLMServerProcess | None = None,
+        before_publish: Callable[[int], None] | None = None,
+    ):
+        self.model = model
+        self.accelerator = accelerator
+        self.client = client
+        self.producer = producer
+        self.schedule = schedule
+        self._policy_version = policy_version
+        self.probe_ids = probe_ids
+        self.verify_tolerance = verify_tolerance
+        self.request_timeout = request_timeout
+        self.server_process = server_process
+        self.before_publish = before_publish  # the trainer's prompt prefetch for the groups a version admits
+        self.sync_mode = "lora" if client.lora else "full"
+        self.served_version: int | None = None
+        self.phase_timer = PhaseTimer(enabled=False)
+        self.excluded_parameter_prefixes: tuple[str, ...] = ()
+        self.last_groups: list[ScoredGroup] = []
+        self._dist = DistributedBackend(accelerator)
+        self._weights_root = weights_root
+        self._version_dirs: dict[int, str] = {}
+        self._metrics: dict[str, float] = {}
+        self._closed = False
+
+    # ---------------------------------------------------------------- weights
+    def ensure_version(self, version: int) -> bool:
+        """Send ``version``'s weights to the servers if it is a sync version not sent yet; True if sent."""
+        if self.served_version is not None and version <= self.served_version:
+            return False
+        if version % self.schedule.weight_sync_steps:
+            return False  # between syncs: the servers keep the last synced version
+        with self.phase_timer.phase("weight_sync"):
+            began = time.perf_counter()
+            paused = self._send(version)
+            self._verify(version)
+            self.accelerator.wait_for_everyone()
+            self.served_version = version
+            if self.before_publish is not None:
+                self.before_publish(version)
+            self.producer.publish_version(version)
+            self._release_unused_versions()
+        self._metrics["sync/seconds"] = time.perf_counter() - began
+        self._metrics["sync/paused_seconds"] = paused
+        self._metrics["sync/lora_only"] = float(self.sync_mode == "lora")
+        return True
+
+    def sync_weights(self) -> None:
+        """TRL's name for it: bring the servers to the trainer's current version."""
+        self.ensure_version(self._policy_version())
+
+    def _version_dir(self, version: int, size_bytes: int) -> str:
+        if self._weights_root is None:
+            self._weights_root = server_weights.version_root(size_bytes)
+        return f"{self._weights_root}/v{version}"
+
+    def _send(self, version: int) -> float:
+        """Write ``version``'s files (main process) and load them on every server; returns the paused seconds."""
+        model = self.accelerator.unwrap_model(self.model)
+        main = self.accelerator.is_main_process
+        paused = 0.0
+        with torch.no_grad(), self._dist.gather_params(list(model.parameters())):
+            if main:
+                size = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
+                path = self._version_dir(version, size)
+                if self.sync_mode == "lora":
+                    server_weights.write_adapter(model, path)
+                elif is_peft_model(model):
+                    model.merge_adapter()
+                    try:
+                        server_weights.write_full_weights(model, path)
+                    finally:
+                        model.unmerge_adapter()
+                else:
+                    server_weights.write_full_weights(model, path)
+                self._version_dirs[version] = path
+        if main:
+            if self.sync_mode == "lora":
+                self.client.load_adapter(version, self._version_dirs[version])
+            else:
+                paused, _ = self.client.reload_weights(version, self._version_dirs[version])
+        return paused
+
+    def _trainer_probe_logprobs(self) -> torch.Tensor:
+        """The trainer's log-probs of the probe (a forward on every rank: ZeRO-3 gathers inside it)."""
+        ids = torch.tensor([self.probe_ids], device=self.accelerator.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        finally:
+            self.model.train(was_training)
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
+
+    def _verify(self, version: int) -> None:
+        expected = self._trainer_probe_logprobs()
+        if not self.accelerator.is_main_process:
+            return
+        for url, served in zip(
+            self.client.base_urls, self.client.prompt_logprobs(self.probe_ids, version), strict=True
+        ):
+            gap = (torch.tensor(served) - expected).abs().max().item()
+            self._metrics["sync/probe_logprob_gap"] = gap
+            if not gap <= self.verify_tolerance:
+                raise WeightDeliveryError(
+                    f"the vLLM server at {url} does not serve policy version {version}: its log-probs of the probe "
+                    f"differ from the trainer's by up to {gap:.3g} (tolerance {self.verify_tolerance:.3g}, "
+                    "weight_sync_verify_tolerance). The weights sent did not arrive; stopping rather than sampling "
+                    "from other weights."
+                )
+
+    def _release_unused_versions(self) -> None:
+        """Unload adapters (and delete files) of versions no group still to be sampled can ask for."""
+        if not self.accelerator.is_main_process:
+            return
+        oldest_needed = self.schedule.sampled_at(self.producer.next_index)
+        for version in sorted(self._version_dirs):
+            if version >= min(oldest_needed, self.served_version):
+                break
+            if version in self.client.loaded_adapters:
+                self.client.unload_adapter(version)
+            server_weights.remove_version(self._version_dirs.pop(version))
+
+    # ---------------------------------------------------------------- completions
+    def set_rollout_seed(self, seed: int, step: int, mode: str = "train") -> None:
+        """Seeds are the producer's (a function of the run's seed, the group and its version)."""
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        """TRL's vLLM ``generate``: ``prompts`` are token-id rows, each group's prompt ``num_generations`` times."""
+        if images is not None and any(image is not None for image in images):
+            raise ValueError("asynchronous generation takes text prompts only (the batch has images).")
+        count = len(prompts) // num_generations
+        groups = self.producer.take(count, timeout=self.request_timeout)
+        for position, group in enumerate(groups):
+            row = prompts[position * num_generations]
+            if list(row) != list(group.sampled.prompt_ids):
+                raise RuntimeError(
+                    f"group {group.index}: the producer sampled another prompt than the one the trainer tokenized "
+                    f"({len(group.sampled.prompt_ids)} vs {len(row)} tokens). The chat template or the tokenizer "
+                    "settings differ between the two."
+                )
+        self.last_groups = groups
+        completion_ids = [ids for group in groups for ids in group.sampled.completion_ids]
+        logprobs = [[[value] for value in values] for group in groups for values in group.sampled.logprobs]
+        for name, value in self.producer.pop_metrics().items():
+            self._metrics[name] = value
+        return list(prompts), completion_ids, logprobs, None
+
+    def sequence_logprobs(self, sequences: list[list[int]], use_adapter: bool = False) -> list[list[float]]:
+        raise NotImplementedError("sequence scoring runs on the colocated engine (DPO), not on the server.")
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self._metrics = self._metrics, {}
+        return metrics
+
+    def close(self) -> None:
+        """Stop the producer, delete the version files and stop the server this run started."""
+        if self._closed:
+            return
+        self._closed = True
+        self.producer.close()
+        for path in self._version_dirs.values():
+            server_weights.remove_version(path)
+        self._version_dirs.clear()
+        if self.server_process is not None:
+            self.server_process.stop()

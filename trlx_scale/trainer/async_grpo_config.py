@@ -1,0 +1,128 @@
+"""``AsyncGRPOConfig``: ``GRPOConfig`` plus the fields of asynchronous generation on vLLM servers.
+
+Where TRL's experimental ``AsyncGRPOConfig`` has a field, this one has it under the same name and meaning
+(``vllm_server_base_url``, ``vllm_server_timeout``, ``request_timeout``, ``max_staleness``, ``weight_sync_steps``,
+``max_inflight_tasks``, ``queue_maxsize``), so a TRL async user switches the import. One difference in meaning, on
+purpose: ``max_staleness`` is kept by admission control (a group starts only if it will be at most that many
+versions old when trained), not by dropping older samples at dequeue; nothing is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..options import registers_options
+from .grpo_config import GRPOConfig
+
+
+@registers_options()
+@dataclass
+class AsyncGRPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`trlx_scale.AsyncGRPOTrainer`]: every field of [`trlx_scale.GRPOConfig`] plus the fields of
+    asynchronous generation below. Generation runs on vLLM servers (`use_vllm` is implied), overlapping training by
+    at most `max_staleness` policy versions; the off-policy correction is TRL's vLLM importance-sampling correction
+    with the trainer's log-probs at the start of the step as the proximal policy (the decoupled objective,
+    docs/async.md).
+    """
+
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "URL of the vLLM server to generate with (`trlx-scale serve MODEL` starts one and prints it); "
+            "several comma-separated URLs are data-parallel replicas (groups balanced over them, every weight "
+            "update sent to each). Unset: the trainer starts a server itself on `vllm_server_devices` and stops it "
+            "at the end."
+        },
+    )
+    vllm_server_devices: str | None = field(
+        default=None,
+        metadata={
+            "help": "CUDA_VISIBLE_DEVICES of the server the trainer starts when vllm_server_base_url is unset "
+            "(GPUs the trainers do not use). Ignored on CPU."
+        },
+    )
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={"help": "Seconds to wait for a server the trainer starts to answer (TRL's field)."},
+    )
+    request_timeout: int = field(
+        default=600,
+        metadata={
+            "help": "Seconds a request to the server (a group, a weight update) may take, and the longest the "
+            "trainer waits for a step's groups, before the run stops with an error naming the server."
+        },
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": "How many policy versions older than the trainer's a sample's weights may be. Kept by admission "
+            "control: a group starts only if it will be at most this old when trained (nothing is dropped). 0: "
+            "synchronous generation on the server. Default 4, TRL's (the simulated benchmark reaches 90 percent "
+            "of the max(generation, training) bound at 4, 63 percent at 2: docs/benchmarks.md)."
+        },
+    )
+    weight_sync_steps: int = field(
+        default=1,
+        metadata={"help": "Optimizer steps between weight updates sent to the servers (at most max_staleness + 1)."},
+    )
+    max_inflight_tasks: int = field(
+        default=-1,
+        metadata={
+            "help": "Groups in flight on the servers at most, per rank. -1: every group admission control allows "
+            "((max_staleness + 1) steps' worth)."
+        },
+    )
+    queue_maxsize: int = field(
+        default=1024,
+        metadata={"help": "Groups sampled and not yet trained at most, per rank (in flight included)."},
+    )
+    async_reward_workers: int = field(
+        default=8,
+        metadata={
+            "help": "Threads that run synchronous reward functions off the training loop, concurrently for the "
+            "groups in flight (async reward functions are awaited together on the producer's event loop)."
+        },
+    )
+    weight_sync_verify_tolerance: float | None = field(
+        default=None,
+        metadata={
+            "help": "After each weight update the servers' log-probs of a probe sequence must match the trainer's "
+            "within this (max absolute difference), or the run stops. None: 1e-3 when the server computes in "
+            "float32, 0.1 in 16-bit precision."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        self.use_vllm = True
+        self.vllm_mode = "server"
+        super().__post_init__()
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
+        if self.weight_sync_steps < 1 or self.weight_sync_steps > self.max_staleness + 1:
+            raise ValueError(
+                f"weight_sync_steps ({self.weight_sync_steps}) must be between 1 and max_staleness + 1 "
+                f"({self.max_staleness + 1}): between two syncs the trainer trains on samples that many steps old."
+            )
+        if self.num_iterations != 1:
+            raise ValueError(
+                f"num_iterations={self.num_iterations}: asynchronous generation trains each rollout once "
+                "(set num_iterations=1)."
+            )
+        if self.steps_per_generation != self.gradient_accumulation_steps:
+            raise ValueError(
+                f"steps_per_generation ({self.steps_per_generation}) must equal gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}) for asynchronous generation: one rollout per optimizer step, "
+                "so a rollout's age is counted in policy versions. Leave steps_per_generation unset."
+            )
+        if self.request_timeout <= 0 or self.vllm_server_timeout <= 0:
+            raise ValueError("request_timeout and vllm_server_timeout must be positive (seconds).")
+        if self.async_reward_workers < 1:
+            raise ValueError(f"async_reward_workers must be at least 1, got {self.async_reward_workers}.")
+
+    @property
+    def server_urls(self) -> list[str]:
+        """The servers' URLs (empty: the trainer starts one)."""
+        if not self.vllm_server_base_url:
+            return []
+        return [url.strip() for url in self.vllm_server_base_url.split(",") if url.strip()]
