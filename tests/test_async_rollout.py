@@ -262,3 +262,15 @@ def test_simulated_engine_times_are_lognormal_with_the_asked_mean():
     times = [lognormal_duration(seed, mean=2.0, sigma=1.0) for seed in range(4000)]
     assert abs(sum(times) / len(times) - 2.0) < 0.2
     assert max(times) > 6 * 2.0  # the long tail
+
+
+def test_schedule_after_a_resume_starts_from_the_checkpoints_version():
+    """Resumed at version 5 with s=2, w=2, 1 group per version: the servers hold only v5, so groups trained at
+    v5-v7 (whose oldest admissible versions are 3-5) are sampled by v5; from v8 on (oldest 6) the schedule is the
+    uninterrupted one: v6, v8, v8."""
+    resumed = StalenessSchedule(
+        1, max_staleness=2, weight_sync_steps=2, start_index=5, start_version=5, oldest_version=5
+    )
+    straight = StalenessSchedule(1, max_staleness=2, weight_sync_steps=2)
+    assert [resumed.sampled_at(k) for k in range(5, 11)] == [5, 5, 5, 6, 8, 8]
+    assert [straight.sampled_at(k) for k in range(8, 11)] == [6, 8, 8]

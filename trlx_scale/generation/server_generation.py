@@ -88,8 +88,8 @@ class ServerGeneration:
         """Send ``version``'s weights to the servers if it is a sync version not sent yet; True if sent."""
         if self.served_version is not None and version <= self.served_version:
             return False
-        if version % self.schedule.weight_sync_steps:
-            return False  # between syncs: the servers keep the last synced version
+        if self.served_version is not None and version % self.schedule.weight_sync_steps:
+            return False  # between syncs: the servers keep the last synced version (the first is always sent)
         with self.phase_timer.phase("weight_sync"):
             began = time.perf_counter()
             paused = self._send(version)

@@ -21,6 +21,10 @@ policy version):
    version is a function of ``k`` alone and a run is reproducible whatever the timing. A server that holds only its
    latest weights (full-weight sync) samples with a version at least as new: fresher, still inside the bound.
 
+A resumed run starts from one version, its checkpoint's (``oldest_version``): the groups the interrupted run had
+sampled from older versions are sampled from it instead (fresher, inside the bound); from ``max_staleness`` steps
+after the resume on, the schedule is the uninterrupted run's.
+
 ``max_staleness=0`` (with ``w=1``) makes ``v = t(k)``: a group starts only once the weights it is trained with exist,
 which is synchronous GRPO.
 """
@@ -39,6 +43,7 @@ class StalenessSchedule:
     weight_sync_steps: int = 1
     start_index: int = 0
     start_version: int = 0
+    oldest_version: int = 0
 
     def __post_init__(self) -> None:
         if self.groups_per_version < 1:
@@ -61,8 +66,11 @@ class StalenessSchedule:
         return self.start_version + (index - self.start_index) // self.groups_per_version
 
     def sampled_at(self, index: int) -> int:
-        """The version that samples group ``index``: the oldest synced version within the bound (never before 0)."""
-        oldest = max(0, self.trained_at(index) - self.max_staleness)
+        """The version that samples group ``index``: the oldest synced version within the bound, never before
+        ``oldest_version`` (a resumed run has only its checkpoint's weights: the first groups are sampled fresher)."""
+        oldest = self.trained_at(index) - self.max_staleness
+        if oldest <= self.oldest_version:  # the first version on the servers (0, or the resumed checkpoint's)
+            return self.oldest_version
         step = self.weight_sync_steps
         return -(-oldest // step) * step
 

@@ -184,6 +184,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             weight_sync_steps=args.weight_sync_steps,
             start_index=start * groups,
             start_version=start,
+            oldest_version=start,  # a resumed run's servers hold its checkpoint's weights only
         )
         self._next_prefetch = start * groups
         inflight = args.max_inflight_tasks if args.max_inflight_tasks > 0 else groups * (args.max_staleness + 1)

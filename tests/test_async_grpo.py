@@ -1,0 +1,156 @@
+"""AsyncGRPOTrainer end to end on CPU with real `vllm serve` subprocesses and the embedded model: max_staleness=0
+equals the synchronous GRPOTrainer, the staleness bound and per-version verification hold with full weights and
+with LoRA adapters, resume at max_staleness=0 is exact, and the server faults are errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
+from trlx_scale.generation.server_client import (
+    SamplingSettings,
+    ServerModelMismatchError,
+    ServerUnreachableError,
+    VLLMServerClient,
+)
+from trlx_scale.generation.vllm_server import ServerLaunch, VLLMServerProcess, free_port
+from trlx_scale.tasks import addition_dataset, exact_match_reward
+
+from .helpers.trainers import logged, small_grpo_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    """One server for the module's trainers (each sends its own version 0 first, so none sees another's weights)."""
+    launch = ServerLaunch(model=default_model_dir, dtype="float32", max_loras=6, max_lora_rank=8)
+    process = VLLMServerProcess(launch, startup_timeout=300).start()
+    yield process
+    process.stop()
+
+
+def _async(tmp_path, default_model_dir, server=None, peft_config=None, train_size=64, **overrides):
+    if server is not None:
+        overrides.setdefault("vllm_server_base_url", server.url)
+    args = small_grpo_config(tmp_path / "async", AsyncGRPOConfig, max_steps=4, **overrides)
+    return AsyncGRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=exact_match_reward,
+        args=args,
+        train_dataset=addition_dataset("train", size=train_size),
+        peft_config=peft_config,
+    )
+
+
+def test_max_staleness_zero_is_the_synchronous_trainer(server, default_model_dir, tmp_path):
+    """Same seeds, same data: the server samples what the colocated engine samples (per-request seeds keyed on the
+    step, the group's row and its prompt), so rewards are equal. Losses and gradient norms agree to float rounding:
+    the off-policy correction weighs tokens by exp(pi_prox - pi_behave), and the server's and the colocated engine's
+    log-probs differ by ~1e-6 (different batch compositions in their kernels)."""
+    sync = GRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=exact_match_reward,
+        args=small_grpo_config(
+            tmp_path / "sync", GRPOConfig, max_steps=4, use_vllm=True, vllm_mode="colocate", vllm_dtype="trainer"
+        ),
+        train_dataset=addition_dataset("train", size=64),
+    )
+    sync.train()
+    overlapped = _async(tmp_path, default_model_dir, server, max_staleness=0)
+    overlapped.train()
+    assert logged(overlapped, "reward") == logged(sync, "reward")
+    assert torch.allclose(torch.tensor(logged(overlapped, "loss")), torch.tensor(logged(sync, "loss")), atol=1e-6)
+    assert torch.allclose(
+        torch.tensor(logged(overlapped, "grad_norm")), torch.tensor(logged(sync, "grad_norm")), rtol=1e-3, atol=1e-5
+    )
+    assert logged(overlapped, "async/staleness_max") == [0.0] * 4
+
+
+def test_staleness_is_bounded_and_every_version_verified(default_model_dir, tmp_path):
+    """No server URL: the trainer starts one, and stops it at the end. With max_staleness=2 the groups of steps
+    2-3 come from versions two older; every version sent was verified by the probe (its gap is logged), and each
+    row of a rollout carries the version that sampled it."""
+    trainer = _async(tmp_path, default_model_dir, max_staleness=2, learning_rate=5e-3)
+    seen_versions = []
+    original = trainer._finish_rollout
+
+    def record(batch):
+        batch = original(batch)
+        seen_versions.append((trainer.state.global_step, batch.policy_version.tolist()))
+        return batch
+
+    trainer._finish_rollout = record
+    trainer.train()
+    assert logged(trainer, "async/staleness_max") == [0.0, 1.0, 2.0, 2.0]
+    assert all(gap < 1e-3 for gap in logged(trainer, "sync/probe_logprob_gap"))
+    assert len(logged(trainer, "sync/probe_logprob_gap")) == 4
+    assert seen_versions == [(step, [max(0, step - 2)] * 8) for step in range(4)]
+    assert len(logged(trainer, "async/sampler_trainer_kl")) == 4
+    assert all(0.0 <= frac <= 1.0 for frac in logged(trainer, "async/behaviour_weight_clip_frac"))
+    assert trainer.vllm_generation is None  # closed: producer stopped, server stopped
+
+
+def test_lora_versions_are_adapters_of_their_own(server, default_model_dir, tmp_path):
+    """Only adapters are sent: the server's base must be the trainer's. The trainers before this one reloaded the
+    module's server with their weights, so its base is put back first (without that, version 0's probe differs by
+    ~0.1 and the run stops: the verification at work)."""
+    from peft import LoraConfig
+
+    VLLMServerClient([server.url], model=default_model_dir, sampling=SamplingSettings(4)).reload_weights(
+        0, default_model_dir
+    )
+    trainer = _async(
+        tmp_path,
+        default_model_dir,
+        server,
+        peft_config=LoraConfig(r=8, target_modules=["q_proj", "v_proj"]),
+        max_staleness=1,
+        vllm_sync_mode="lora",
+        learning_rate=5e-2,
+    )
+    loaded_counts = []
+    original = trainer._finish_rollout
+
+    def record(batch):
+        loaded_counts.append(len(trainer.vllm_generation.client.loaded_adapters))
+        return original(batch)
+
+    trainer._finish_rollout = record
+    trainer.train()
+    assert logged(trainer, "sync/lora_only") == [1.0] * 4
+    assert all(gap < 1e-3 for gap in logged(trainer, "sync/probe_logprob_gap"))
+    assert max(loaded_counts) <= 1 + 2  # max_staleness + 2 adapters at most; older ones unloaded
+    assert logged(trainer, "async/staleness_max") == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_resume_at_max_staleness_zero_is_exact(server, default_model_dir, tmp_path):
+    """4 straight steps (a checkpoint at step 2) against a new trainer resuming from that checkpoint: the same
+    rewards and the same losses for steps 3-4 (the producer regenerates what was ahead: its groups and seeds are
+    functions of the step, and with max_staleness=0 of the checkpoint's weights)."""
+    straight = _async(tmp_path / "a", default_model_dir, server, max_staleness=0, save_strategy="steps", save_steps=2)
+    straight.train()
+    resumed = _async(tmp_path / "b", default_model_dir, server, max_staleness=0)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "async" / "checkpoint-2"))
+    assert logged(resumed, "reward") == logged(straight, "reward")
+    assert len(logged(resumed, "loss")) == 4
+    assert torch.allclose(torch.tensor(logged(resumed, "loss")), torch.tensor(logged(straight, "loss")), atol=1e-7)
+    assert logged(resumed, "grad_norm")[2:] == pytest.approx(logged(straight, "grad_norm")[2:], rel=1e-5)
+
+
+def test_an_unreachable_server_stops_the_run_at_once(default_model_dir, tmp_path):
+    trainer = _async(tmp_path, default_model_dir, vllm_server_base_url=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ServerUnreachableError, match="no vLLM server answers"):
+        trainer.train()
+
+
+def test_a_server_of_another_model_is_refused(server, default_model, tmp_path):
+    other = tmp_path / "other-model"
+    default_model.save_pretrained(other)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(server.launch.model).save_pretrained(other)
+    trainer = _async(tmp_path, str(other), server)
+    with pytest.raises(ServerModelMismatchError, match="but this trainer trains"):
+        trainer.train()
