@@ -248,6 +248,13 @@ class VLLMServerClient:
         self.loaded_adapters[version] = name
         return time.monotonic() - began
 
+    def record_update(self, version: int, path: str | None = None) -> None:
+        """Another process (the main one) sent ``version`` to the servers: this client asks for it from now on."""
+        if self.lora:
+            self.loaded_adapters[version] = adapter_name(version)
+        else:
+            self.full_weights_version = version
+
     def unload_adapter(self, version: int) -> None:
         name = self.loaded_adapters.pop(version)
         for url in self.base_urls:

@@ -95,6 +95,8 @@ class ServerGeneration:
             paused = self._send(version)
             self._verify(version)
             self.accelerator.wait_for_everyone()
+            if not self.accelerator.is_main_process:  # the main process updated the servers for every rank
+                self.client.record_update(version, self._version_dirs.get(version))
             self.served_version = version
             if self.before_publish is not None:
                 self.before_publish(version)
@@ -171,16 +173,19 @@ class ServerGeneration:
                 )
 
     def _release_unused_versions(self) -> None:
-        """Unload adapters (and delete files) of versions no group still to be sampled can ask for."""
-        if not self.accelerator.is_main_process:
-            return
-        oldest_needed = self.schedule.sampled_at(self.producer.next_index)
-        for version in sorted(self._version_dirs):
-            if version >= min(oldest_needed, self.served_version):
+        """Unload adapters (and delete files) of versions no group still to be sampled can ask for (the main
+        process; the others forget them)."""
+        oldest_needed = min(self.schedule.sampled_at(self.producer.next_index), self.served_version)
+        for version in sorted(self.client.loaded_adapters):
+            if version >= oldest_needed:
                 break
-            if version in self.client.loaded_adapters:
+            if self.accelerator.is_main_process:
                 self.client.unload_adapter(version)
-            server_weights.remove_version(self._version_dirs.pop(version))
+            else:
+                self.client.loaded_adapters.pop(version)
+        for version in sorted(self._version_dirs):
+            if version < oldest_needed:
+                server_weights.remove_version(self._version_dirs.pop(version))
 
     # ---------------------------------------------------------------- completions
     def set_rollout_seed(self, seed: int, step: int, mode: str = "train") -> None:

@@ -46,11 +46,17 @@ def _publish(staging: str, final: str) -> str:
 
 
 def write_full_weights(model: torch.nn.Module, directory: str) -> str:
-    """Every weight of ``model`` (tied aliases named too) as ``directory/model.safetensors``, written atomically."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    """Every weight of ``model`` (tied aliases named too) as ``directory/model.safetensors``, written atomically.
+    A PEFT model is written as its base with whatever is merged into it (``merge_adapter`` first)."""
+    peft = hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
     aliases = tied_weight_aliases(base)
     tensors = {}
     for name, parameter in base.state_dict().items():
+        if peft:  # a merged PEFT model: its layers' own weights, under the checkpoint's names
+            if "lora_" in name or ".original_module." in name:
+                continue
+            name = name.replace(".base_layer", "").replace(".modules_to_save.default", "")
         tensors[name] = parameter.detach().to("cpu").contiguous()
     for source, alias in aliases.items():
         tensors[alias] = tensors[source].clone()  # safetensors stores no shared storage

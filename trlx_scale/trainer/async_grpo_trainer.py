@@ -44,6 +44,7 @@ from ..generation.server_generation import ServerGeneration
 from ..generation.vllm_server import ServerLaunch, VLLMServerProcess
 from ..generation.weight_sync import choose_sync_mode, lora_ineligibility, vllm_max_lora_rank
 from ..losses.decoupled_objective import behaviour_kl
+from ..losses.vllm_importance_sampling import is_sequence_level, vllm_importance_sampling_ratio
 from ..options import option
 from ..peft_models import is_peft_model
 from ..rollout.async_producer import GroupRequest, RolloutProducer, SampledGroup
@@ -315,23 +316,25 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self._log_behaviour(logps.detach(), inputs["sampling_per_token_logps"], mask)
 
     def _log_behaviour(self, prox: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor) -> None:
-        """``async/sampler_trainer_kl`` (k3 estimate of KL(pi_behave || pi_prox)) and
-        ``async/behaviour_weight_clip_frac`` (the tokens whose weight pi_prox / pi_behave the bounds changed)."""
+        """``async/sampler_trainer_kl`` (k3 estimate of KL(pi_behave || pi_prox) per token) and
+        ``async/behaviour_weight_clip_frac``: the share of tokens (sequences, in a sequence mode) whose weight
+        pi_prox / pi_behave the correction's bounds changed (truncated or masked)."""
         mask = mask.to(prox.dtype)
-        weight = torch.exp(torch.nan_to_num(prox - behave, nan=0.0))
-        low = self.vllm_importance_sampling_clip_min
-        high = self.vllm_importance_sampling_clip_max
-        outside = torch.zeros_like(weight, dtype=torch.bool)
-        if low is not None:
-            outside |= weight < low
-        if high is not None:
-            outside |= weight > high
-        stats = torch.stack(
-            [
-                behaviour_kl(prox, torch.nan_to_num(behave, nan=0.0), mask),
-                (outside.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0),
-            ]
+        behave = torch.nan_to_num(behave, nan=0.0)
+        mode = self.vllm_importance_sampling_mode
+        bounded = vllm_importance_sampling_ratio(
+            prox, behave, mask, mode, self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         )
+        difference = (prox - behave) * mask
+        sequence = is_sequence_level(mode)
+        raw = torch.exp(difference.sum(-1, keepdim=True) if sequence else difference)
+        changed = (raw != bounded).to(mask.dtype)
+        if sequence:
+            counted = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
+            fraction = (changed * counted).sum() / counted.sum().clamp(min=1.0)
+        else:
+            fraction = (changed * mask).sum() / mask.sum().clamp(min=1.0)
+        stats = torch.stack([behaviour_kl(prox, behave, mask), fraction])
         stats = self.accelerator.gather(stats.unsqueeze(0)).mean(0)
         metrics = self._metrics["train" if self.model.training else "eval"]
         metrics["async/sampler_trainer_kl"].append(stats[0].item())

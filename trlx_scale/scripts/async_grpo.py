@@ -1,0 +1,40 @@
+# Copyright trlx_scale contributors. Apache-2.0.
+"""Asynchronous GRPO: generation on a vLLM server overlapping training, on the embedded model and task or any Hub
+model/dataset.
+
+    trlx-scale async_grpo                                      # embedded model + task; starts its own server
+    trlx-scale serve Qwen/Qwen3-0.6B --devices 4,5,6,7 &       # a server on GPUs of its own, then:
+    trlx-scale async_grpo --model_name_or_path Qwen/Qwen3-0.6B --vllm_server_base_url http://127.0.0.1:8000 \\
+        --max_staleness 2 --dataset_name <hub dataset with "prompt" and "answer" columns> --accelerate_config fsdp2
+
+Every field of `trlx_scale.AsyncGRPOConfig`, `trl.ModelConfig` and the task arguments is a CLI flag (`--help` lists
+them). The process layout, choosing `max_staleness` and reading the `async/*` metrics: docs/async.md.
+"""
+
+from __future__ import annotations
+
+from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer
+from trlx_scale.tasks.example_runtime import ROLLOUT_EXAMPLE_DEFAULTS, Example, run_example
+
+
+def async_grpo_defaults(parsed) -> dict:
+    """GRPO's example defaults, generating on a server: two steps of overlap (the simulated benchmark's knee on
+    this task's even completion lengths) and no KL term."""
+    return {
+        **ROLLOUT_EXAMPLE_DEFAULTS,
+        "output_dir": "outputs/async-grpo-addition",
+        "beta": 0.0,
+        "vllm_mode": "server",
+        "max_staleness": 2,
+    }
+
+
+EXAMPLE = Example(trainer_cls=AsyncGRPOTrainer, config_cls=AsyncGRPOConfig, defaults=async_grpo_defaults)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return run_example(EXAMPLE, argv)
+
+
+if __name__ == "__main__":
+    main()
