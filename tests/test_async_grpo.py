@@ -4,12 +4,16 @@ with LoRA adapters, resume at max_staleness=0 is exact, and the server faults ar
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
 from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
 from trlx_scale.generation.server_client import (
     SamplingSettings,
+    ServerFailedError,
     ServerModelMismatchError,
     ServerUnreachableError,
     VLLMServerClient,
@@ -17,6 +21,7 @@ from trlx_scale.generation.server_client import (
 from trlx_scale.generation.vllm_server import ServerLaunch, VLLMServerProcess, free_port
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
+from .helpers.launch import ACCELERATE, REPO_ROOT, read_run_summary, run_command
 from .helpers.trainers import logged, small_grpo_config
 
 pytestmark = pytest.mark.slow
@@ -154,3 +159,66 @@ def test_a_server_of_another_model_is_refused(server, default_model, tmp_path):
     trainer = _async(tmp_path, str(other), server)
     with pytest.raises(ServerModelMismatchError, match="but this trainer trains"):
         trainer.train()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("config", ["cpu_ddp", "cpu_zero3"])
+def test_two_processes_train_asynchronously_and_learn(config, tmp_path):
+    """The async example under `accelerate launch` with 2 processes (DDP; DeepSpeed ZeRO-3, whose weight gathers
+    and probe forward are collectives): it starts its own server, every version is verified, the staleness stays
+    within the bound, and the policy learns: the reward of the last steps is above that of the first ones."""
+    out = tmp_path / "out"
+    command = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        os.path.join(REPO_ROOT, "configs", "accelerate", f"{config}.yaml"),
+        os.path.join(REPO_ROOT, "examples", "async_grpo.py"),
+        "--max_steps",
+        "8",
+        "--per_device_train_batch_size",
+        "32",
+        "--learning_rate",
+        "1e-3",
+        "--logging_steps",
+        "1",
+        "--eval_every_steps",
+        "0",
+        "--output_dir",
+        str(out),
+    ]
+    run_command(command, timeout=900)
+    summary = read_run_summary(out)
+    assert summary["world_size"] == 2 and summary["steps"] == 8
+    assert summary["staleness_max"] == 2  # the example's max_staleness, reached and never passed
+    rewards = summary["reward_curve"]
+    assert len(rewards) == 8
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
+
+
+def test_a_server_that_dies_mid_run_stops_the_run_with_its_exit(default_model_dir, tmp_path):
+    """The trainer's own server is killed after step 2 (as an out-of-memory kill would): the next step fails with
+    an error that says the server died and shows its exit, within request_timeout, and nothing is left running."""
+    from transformers import TrainerCallback
+
+    from trlx_scale.rollout.async_producer import RolloutProducerError
+
+    trainer = _async(tmp_path, default_model_dir, max_staleness=1, request_timeout=60)
+    killed = {}
+
+    class KillServer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                process = trainer.vllm_generation.server_process
+                killed["process"] = process
+                process.process.kill()
+
+    trainer.add_callback(KillServer())
+    began = time.monotonic()
+    with pytest.raises(
+        (ServerFailedError, RolloutProducerError), match="died: the server process exited with code -9"
+    ):
+        trainer.train()
+    assert time.monotonic() - began < 120
+    assert trainer.state.global_step == 2
+    assert not killed["process"].alive()

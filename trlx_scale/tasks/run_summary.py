@@ -20,6 +20,10 @@ class RunSummary:
     accuracy_curve: list[tuple[int, float]] = field(default_factory=list)
     reward_first: float | None = None
     reward_last: float | None = None
+    # Every logged mean reward, in order (the learning curve a test or a reader checks).
+    reward_curve: list[float] = field(default_factory=list)
+    # The largest staleness of any trained sample (asynchronous generation only).
+    staleness_max: float | None = None
     sync_logprob_gap_max: float | None = None
     sync_bytes_last: float | None = None
     # The planner's peak for this run and the measured one (rank 0's; host RAM on CPU, the GPU's on CUDA).
@@ -32,6 +36,9 @@ class RunSummary:
         self.steps = global_step
         if rewards:
             self.reward_first, self.reward_last = rewards[0], rewards[-1]
+        self.reward_curve = rewards
+        staleness = [entry["async/staleness_max"] for entry in log_history if "async/staleness_max" in entry]
+        self.staleness_max = max(staleness) if staleness else None
         gaps = [entry["sync/logprob_gap_max"] for entry in log_history if "sync/logprob_gap_max" in entry]
         self.sync_logprob_gap_max = max(gaps) if gaps else None
         sent = [entry["sync/bytes"] for entry in log_history if "sync/bytes" in entry]
