@@ -1,4 +1,19 @@
-"""Asynchronous GRPO: how close overlapped generation and training come to max(generation, training) per step.
+"""Asynchronous GRPO against synchronous GRPO: throughput on a real vLLM server, the simulated bound, learning.
+
+``--server``: side by side in one run, interleaved within each repeat, on this machine with the embedded model and
+task: ``GRPOTrainer`` (vLLM colocated, fp32 engine) and ``AsyncGRPOTrainer`` at ``max_staleness`` 1, 2, 4 on one
+real ``vllm serve`` subprocess (started once, outside the timing), each with a reward function of
+``--reward-latency`` seconds per call (an async function sleeping that long: a remote verifier or a code sandbox)
+and with none. Reported: samples per second over steps 3..N (start-up excluded), medians of ``--repeats``, and the
+ratio to synchronous.
+
+    python benchmarks/async_grpo.py --server --repeats 3
+
+``--learning``: held-out accuracy of the embedded task after the same number of samples (``--learning-steps``
+steps of the example's 128 samples) at ``max_staleness`` 0, 1, 4 with the off-policy correction on and off, and
+synchronous ``GRPOTrainer``; seeds ``--seeds``; the example's settings otherwise.
+
+    python benchmarks/async_grpo.py --learning --seeds 42 1 2
 
 ``--simulated`` (what this version measures): the real ``RolloutProducer`` (trlx_scale/rollout/async_producer.py)
 drives a simulated engine (trlx_scale/rollout/simulated_engine.py: ``--slots`` groups at once, each occupying its
@@ -22,6 +37,8 @@ Results and the command: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
 import json
 import os
 import statistics
@@ -97,9 +114,186 @@ def run_simulated(cli: argparse.Namespace, max_staleness: int, seed: int) -> dic
     }
 
 
+def _latency_reward(latency: float):
+    """Exact match, after ``latency`` seconds per call (an async function: a remote verifier's round trip)."""
+    from trlx_scale.tasks import exact_match_reward
+
+    async def remote_verifier(completions, answer, **kwargs):
+        await asyncio.sleep(latency)
+        return exact_match_reward(completions, answer=answer)
+
+    return remote_verifier if latency > 0 else exact_match_reward
+
+
+class _StepClock:
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                clock.ends.append(time.monotonic())
+
+        self.ends: list[float] = []
+        self.callback = Callback()
+
+
+def run_server_config(cli, kind: str, max_staleness: int, latency: float, url: str, seed: int, workdir: str) -> float:
+    """Samples per second over steps 3..N of one run (``kind``: "sync" or "async")."""
+    from peft import LoraConfig
+
+    from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
+    from trlx_scale.tasks import addition_dataset, default_model_path
+
+    common = dict(
+        output_dir=os.path.join(workdir, f"{kind}-{max_staleness}-{latency}"),
+        per_device_train_batch_size=cli.samples_per_step,
+        num_generations=8,
+        max_completion_length=6,
+        max_steps=cli.server_steps,
+        learning_rate=5e-4,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        seed=seed,
+        disable_tqdm=True,
+    )
+    if kind == "sync":
+        args = GRPOConfig(**common, use_vllm=True, vllm_mode="colocate", vllm_dtype="trainer")
+        trainer_cls = GRPOTrainer
+    else:
+        args = AsyncGRPOConfig(**common, max_staleness=max_staleness, vllm_server_base_url=url)
+        trainer_cls = AsyncGRPOTrainer
+    # The example's policy: the embedded model through a rank-64 LoRA on every linear layer.
+    lora = LoraConfig(
+        r=64,
+        lora_alpha=128,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    trainer = trainer_cls(
+        model=default_model_path(),
+        reward_funcs=_latency_reward(latency),
+        args=args,
+        train_dataset=addition_dataset("train", size=4096),
+        peft_config=lora,
+    )
+    clock = _StepClock()
+    trainer.add_callback(clock.callback)
+    trainer.train()
+    ends = clock.ends
+    del trainer
+    gc.collect()
+    return cli.samples_per_step * (len(ends) - 3) / (ends[-1] - ends[2])
+
+
+def run_server(cli) -> None:
+    import tempfile
+
+    from trlx_scale.generation.vllm_server import ServerLaunch, VLLMServerProcess
+    from trlx_scale.tasks import default_model_path
+
+    settings = [("sync", 0)] + [("async", s) for s in cli.staleness if s > 0]
+    results: dict[tuple, list[float]] = {}
+    launch = ServerLaunch(model=default_model_path(), dtype="float32", max_loras=max(cli.staleness) + 2)
+    with VLLMServerProcess(launch, startup_timeout=600) as server, tempfile.TemporaryDirectory() as workdir:
+        for repeat in range(cli.repeats):
+            for latency in cli.reward_latency:
+                for kind, staleness in settings:  # interleaved: the machine's noise falls on every setting alike
+                    rate = run_server_config(cli, kind, staleness, latency, server.url, cli.seed + repeat, workdir)
+                    results.setdefault((latency, kind, staleness), []).append(rate)
+                    print(
+                        f"repeat {repeat} latency {latency} {kind} s={staleness}: {rate:.1f} samples/s",
+                        file=sys.stderr,
+                    )
+    print(
+        f"server: embedded model, LoRA r64, {cli.samples_per_step} samples/step (G=8), {cli.server_steps} steps (3..N "
+        f"timed), medians of {cli.repeats}"
+    )
+    print("| reward latency | trainer | max_staleness | samples/s | vs sync |")
+    print("|---|---|---|---|---|")
+    summary = {}
+    for latency in cli.reward_latency:
+        sync = statistics.median(results[(latency, "sync", 0)])
+        for kind, staleness in settings:
+            rate = statistics.median(results[(latency, kind, staleness)])
+            summary[f"{latency}|{kind}|{staleness}"] = rate
+            label = "GRPOTrainer (colocated)" if kind == "sync" else "AsyncGRPOTrainer"
+            shown = "-" if kind == "sync" else staleness
+            print(f"| {latency} s | {label} | {shown} | {rate:.1f} | {rate / sync:.2f}x |")
+    if cli.json_out:
+        with open(cli.json_out, "w") as handle:
+            raw = {"|".join(map(str, key)): value for key, value in results.items()}
+            json.dump({"args": vars(cli), "summary": summary, "runs": raw}, handle, indent=1)
+
+
+def run_learning(cli) -> None:
+    """Each setting through the examples (subprocesses): held-out accuracy after the same samples."""
+    import subprocess
+    import tempfile
+
+    from trlx_scale.generation.vllm_server import ServerLaunch, VLLMServerProcess
+    from trlx_scale.tasks import default_model_path
+
+    root = os.path.dirname(HERE)
+    settings = [("sync", 0, True), ("async", 0, True)]
+    for staleness in (1, 4):
+        settings += [("async", staleness, True), ("async", staleness, False)]
+    results: dict[tuple, list[float]] = {}
+    launch = ServerLaunch(model=default_model_path(), dtype="float32", max_loras=6)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1")
+    with VLLMServerProcess(launch, startup_timeout=600) as server, tempfile.TemporaryDirectory() as workdir:
+        for seed in cli.seeds:
+            for kind, staleness, correction in settings:
+                out = os.path.join(workdir, f"{kind}-{staleness}-{correction}-{seed}")
+                script = os.path.join(root, "examples", "grpo.py" if kind == "sync" else "async_grpo.py")
+                command = [sys.executable, script, "--seed", str(seed), "--max_steps", str(cli.learning_steps)]
+                command += ["--output_dir", out, "--eval_every_steps", "0"]
+                if kind == "async":
+                    command += ["--max_staleness", str(staleness), "--vllm_server_base_url", server.url]
+                    command += ["--vllm_importance_sampling_correction", str(correction)]
+                done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{command} failed:\n{done.stderr[-3000:]}")
+                with open(os.path.join(out, "run_summary.json")) as handle:
+                    summary = json.load(handle)
+                gain = 100 * (summary["accuracy_after"] - summary["accuracy_before"])
+                results.setdefault((kind, staleness, correction), []).append(100 * summary["accuracy_after"])
+                print(
+                    f"seed {seed} {kind} s={staleness} correction={correction}: after "
+                    f"{100 * summary['accuracy_after']:.1f}% (gain {gain:+.1f})",
+                    file=sys.stderr,
+                )
+    print(f"learning: embedded task, {cli.learning_steps} steps x 128 samples, seeds {cli.seeds}")
+    print("| trainer | max_staleness | correction | held-out accuracy after (per seed) | median | vs sync |")
+    print("|---|---|---|---|---|---|")
+    sync = statistics.median(results[("sync", 0, True)])
+    for kind, staleness, correction in settings:
+        values = results[(kind, staleness, correction)]
+        label = "GRPOTrainer (colocated)" if kind == "sync" else "AsyncGRPOTrainer"
+        median = statistics.median(values)
+        print(
+            f"| {label} | {'-' if kind == 'sync' else staleness} | {'on' if correction else 'off'} | "
+            f"{', '.join(f'{v:.1f}' for v in values)} | {median:.1f}% | {median - sync:+.1f} |"
+        )
+    if cli.json_out:
+        with open(cli.json_out, "w") as handle:
+            json.dump({"args": vars(cli), "runs": {"|".join(map(str, k)): v for k, v in results.items()}}, handle)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--simulated", action="store_true", help="the simulated engine and trainer (no model)")
+    parser.add_argument("--server", action="store_true", help="sync vs async on a real vLLM server (embedded model)")
+    parser.add_argument("--learning", action="store_true", help="held-out accuracy after the same samples")
+    parser.add_argument("--reward-latency", type=float, nargs="+", default=[0.0, 1.0], help="seconds per call")
+    parser.add_argument("--samples-per-step", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[42, 1])
+    parser.add_argument("--learning-steps", type=int, default=200)
+    parser.add_argument("--server-steps", type=int, default=12, help="steps of each --server run (3..N timed)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--groups-per-step", type=int, default=8)
@@ -110,8 +304,14 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument("--json-out", default=None)
     cli = parser.parse_args()
+    if cli.server:
+        run_server(cli)
+        return
+    if cli.learning:
+        run_learning(cli)
+        return
     if not cli.simulated:
-        parser.error("this version measures the simulated engine only: pass --simulated")
+        parser.error("pass --simulated, --server or --learning")
 
     runs: dict[int, list[dict[str, float]]] = {s: [] for s in cli.staleness}
     for repeat in range(cli.repeats):

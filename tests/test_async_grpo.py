@@ -18,6 +18,7 @@ from trlx_scale.generation.server_client import (
     ServerUnreachableError,
     VLLMServerClient,
 )
+from trlx_scale.generation.server_weights import write_full_weights
 from trlx_scale.generation.vllm_server import ServerLaunch, VLLMServerProcess, free_port
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
@@ -97,15 +98,16 @@ def test_staleness_is_bounded_and_every_version_verified(default_model_dir, tmp_
     assert trainer.vllm_generation is None  # closed: producer stopped, server stopped
 
 
-def test_lora_versions_are_adapters_of_their_own(server, default_model_dir, tmp_path):
+def test_lora_versions_are_adapters_of_their_own(server, default_model_dir, default_model, tmp_path):
     """Only adapters are sent: the server's base must be the trainer's. The trainers before this one reloaded the
     module's server with their weights, so its base is put back first (without that, version 0's probe differs by
     ~0.1 and the run stops: the verification at work)."""
     from peft import LoraConfig
 
-    VLLMServerClient([server.url], model=default_model_dir, sampling=SamplingSettings(4)).reload_weights(
-        0, default_model_dir
-    )
+    # The base back, written as the trainers write versions: a checkpoint with tied embeddings omits lm_head, and
+    # vLLM's reload would keep the previous trainer's head.
+    base = write_full_weights(default_model, str(tmp_path / "base"))
+    VLLMServerClient([server.url], model=default_model_dir, sampling=SamplingSettings(4)).reload_weights(0, base)
     trainer = _async(
         tmp_path,
         default_model_dir,
@@ -163,10 +165,11 @@ def test_a_server_of_another_model_is_refused(server, default_model, tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("config", ["cpu_ddp", "cpu_zero3"])
-def test_two_processes_train_asynchronously_and_learn(config, tmp_path):
+def test_two_processes_train_asynchronously_and_learn(config, server, tmp_path):
     """The async example under `accelerate launch` with 2 processes (DDP; DeepSpeed ZeRO-3, whose weight gathers
-    and probe forward are collectives): it starts its own server, every version is verified, the staleness stays
-    within the bound, and the policy learns: the reward of the last steps is above that of the first ones."""
+    and probe forward are collectives) on the module's server: every version is verified (a failed probe stops the
+    run), the staleness stays within the bound, and the policy learns: the reward of the last steps is above that of
+    the first ones. (A trainer starting its own server: test_staleness_is_bounded_and_every_version_verified.)"""
     out = tmp_path / "out"
     command = [
         ACCELERATE,
@@ -186,6 +189,8 @@ def test_two_processes_train_asynchronously_and_learn(config, tmp_path):
         "0",
         "--output_dir",
         str(out),
+        "--vllm_server_base_url",
+        server.url,
     ]
     run_command(command, timeout=900)
     summary = read_run_summary(out)

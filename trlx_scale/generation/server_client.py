@@ -262,7 +262,9 @@ class VLLMServerClient:
 
     def reload_weights(self, version: int, path: str) -> tuple[float, float]:
         """Every server reloads its weights from the checkpoint files at ``path`` (version ``version``). Returns the
-        seconds the servers were paused (the longest) and the seconds it took in all."""
+        seconds the servers were paused (the longest) and the seconds it took in all. The files must name every
+        weight vLLM holds: a layer missing from them keeps its old weights (a transformers checkpoint with tied
+        embeddings omits ``lm_head``; ``server_weights.write_full_weights`` names it)."""
         if not os.path.isdir(path) or not any(name.endswith(".safetensors") for name in os.listdir(path)):
             # vLLM 0.32 answers a bad path with an error but leaves its weights unloaded, and dies at the next request.
             raise FileNotFoundError(f"no safetensors weights in {path}: not sent to the server.")
