@@ -189,6 +189,25 @@ def run_server_config(cli, kind: str, max_staleness: int, latency: float, url: s
     return cli.samples_per_step * (len(ends) - 3) / (ends[-1] - ends[2])
 
 
+def _run_in_subprocess(cli, kind, staleness, latency, url, seed, workdir) -> float:
+    """One setting in a process of its own, each trainer with its own best thread setting: the asynchronous one
+    with OpenMP threads that sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``, what its example sets: on CPU
+    it shares the cores with the server), the synchronous one with OpenMP's default (it has the cores to itself)."""
+    import subprocess
+
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    env.update(TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1")
+    if kind == "async":
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    command = [sys.executable, os.path.abspath(__file__), "--one-server-config", kind, str(staleness), str(latency)]
+    command += [url, str(seed), workdir, "--server-steps", str(cli.server_steps)]
+    command += ["--samples-per-step", str(cli.samples_per_step)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{kind} s={staleness} latency={latency} failed:\n{done.stderr[-4000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def run_server(cli) -> None:
     import tempfile
 
@@ -202,7 +221,7 @@ def run_server(cli) -> None:
         for repeat in range(cli.repeats):
             for latency in cli.reward_latency:
                 for kind, staleness in settings:  # interleaved: the machine's noise falls on every setting alike
-                    rate = run_server_config(cli, kind, staleness, latency, server.url, cli.seed + repeat, workdir)
+                    rate = _run_in_subprocess(cli, kind, staleness, latency, server.url, cli.seed + repeat, workdir)
                     results.setdefault((latency, kind, staleness), []).append(rate)
                     print(
                         f"repeat {repeat} latency {latency} {kind} s={staleness}: {rate:.1f} samples/s",
@@ -294,6 +313,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 1])
     parser.add_argument("--learning-steps", type=int, default=200)
     parser.add_argument("--server-steps", type=int, default=12, help="steps of each --server run (3..N timed)")
+    parser.add_argument("--one-server-config", nargs=6, default=None, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--groups-per-step", type=int, default=8)
@@ -304,6 +324,10 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument("--json-out", default=None)
     cli = parser.parse_args()
+    if cli.one_server_config:
+        kind, staleness, latency, url, seed, workdir = cli.one_server_config
+        print(run_server_config(cli, kind, int(staleness), float(latency), url, int(seed), workdir))
+        return
     if cli.server:
         run_server(cli)
         return

@@ -100,6 +100,11 @@ class ServerLaunch:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
         if running_on_cpu_only():
             env.setdefault(KVCACHE_SPACE_ENV, str(self.kvcache_space_gib))
+            # On CPU the server shares the cores with the trainers: OpenMP threads that spin between parallel
+            # regions (the default) take them from the other process. Both sides must sleep instead (the async
+            # example sets it for the trainer): on 2 cores, async GRPO with a 1 s reward made 47 samples/s with
+            # both spinning, 53 with the server alone passive, 153 with both (docs/benchmarks.md).
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # A training process's torch.distributed variables must not reach the server's own process group.
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)

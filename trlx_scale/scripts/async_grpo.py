@@ -13,8 +13,15 @@ them). The process layout, choosing `max_staleness` and reading the `async/*` me
 
 from __future__ import annotations
 
-from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer
-from trlx_scale.tasks.example_runtime import ROLLOUT_EXAMPLE_DEFAULTS, Example, run_example
+import os
+
+# On a CPU-only machine the trainer shares its cores with the vLLM server: OpenMP threads that spin between parallel
+# regions (OpenMP's default) take them from the other process. Read when torch loads OpenMP, so set before any import
+# of torch. Measured on 2 cores with a 1 s reward: 47 samples/s spinning, 153 passive (docs/benchmarks.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from trlx_scale.tasks.example_runtime import ROLLOUT_EXAMPLE_DEFAULTS, Example, run_example  # noqa: E402
 
 
 def async_grpo_defaults(parsed) -> dict:
