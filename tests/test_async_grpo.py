@@ -227,3 +227,25 @@ def test_a_server_that_dies_mid_run_stops_the_run_with_its_exit(default_model_di
     assert time.monotonic() - began < 120
     assert trainer.state.global_step == 2
     assert not killed["process"].alive()
+
+
+def test_weights_that_never_arrive_stop_the_run(server, default_model_dir, tmp_path):
+    """From step 2 on, the updates are lost on their way (the reload is skipped, as an adapter that is never
+    delivered: verl 7495). The probe after the next update finds the server still on the previous weights: the run
+    stops with an error naming the version instead of sampling from stale weights."""
+    from transformers import TrainerCallback
+
+    from trlx_scale.generation.server_generation import WeightDeliveryError
+
+    trainer = _async(tmp_path, default_model_dir, server, max_staleness=1, learning_rate=5e-3)
+
+    class LoseUpdates(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                client = trainer.vllm_generation.client
+                client.reload_weights = lambda version, path: (0.0, 0.0)
+
+    trainer.add_callback(LoseUpdates())
+    with pytest.raises(WeightDeliveryError, match="does not serve policy version 2"):
+        trainer.train()
+    assert trainer.state.global_step == 2

@@ -9,11 +9,26 @@ import trl
 from trl.generation.vllm_generation import VLLMGeneration
 
 import trlx_scale
-from trlx_scale import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from trlx_scale import AsyncGRPOTrainer, DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
 
 # Methods a trlx_scale class defines that its TRL parent does not have (new API, not overrides).
 NEW_METHODS = {
+    AsyncGRPOTrainer: {
+        "_server_sync_mode",
+        "_server_dtype",
+        "_base_model_path",
+        "_start_server",
+        "_build_server_engine",
+        "_verify_tolerance",
+        "_probe_ids",
+        "_prefetch_prompts",
+        "_producer_prompt",
+        "_group_seed",
+        "_score_group",
+        "_log_behaviour",
+        "close_generation",
+    },
     GRPOTrainer: {
         "_check_vllm_only_options",
         "_build_colocated_engine",
@@ -105,7 +120,8 @@ CONFIGS = ((GRPOConfig, trl.GRPOConfig), (DPOConfig, trl.DPOConfig), (PPOConfig,
 
 def test_top_level_api_is_trainers_and_configs_and_old_demo_names_warn():
     assert set(trlx_scale.__all__) == {
-        "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer", "__version__",
+        "AsyncGRPOConfig", "AsyncGRPOTrainer", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "PPOConfig",
+        "PPOTrainer", "__version__",
     }  # fmt: skip
     from trlx_scale.tasks import addition_dataset
 
@@ -122,6 +138,7 @@ def test_public_names():
 
 def test_trainer_constructor_matches_trl():
     assert _parameters(GRPOTrainer.__init__) == _parameters(trl.GRPOTrainer.__init__)
+    assert _parameters(AsyncGRPOTrainer.__init__) == _parameters(trl.GRPOTrainer.__init__)
     # DPO: TRL's parameters in TRL's order, then reward_funcs (online DPO), optional.
     ours = _parameters(DPOTrainer.__init__)
     assert ours[:-1] == _parameters(trl.DPOTrainer.__init__)
@@ -165,6 +182,7 @@ def test_overridden_methods_exist_upstream_with_the_same_signature():
         (DPOTrainer, trl.DPOTrainer),
         (PPOTrainer, trl.GRPOTrainer),
         (ColocatedVLLMGeneration, VLLMGeneration),
+        (AsyncGRPOTrainer, GRPOTrainer),
     )
     for ours, parent in pairs:
         for name, member in vars(ours).items():
@@ -419,3 +437,27 @@ def test_trl_still_forces_reentrant_checkpointing_for_peft_under_zero3():
     )
     assert guard in source
     assert 'args.gradient_checkpointing_kwargs["use_reentrant"] = True' in source[source.index(guard) :]
+
+
+def test_trl_rollout_lines_the_async_trainer_relies_on():
+    """AsyncGRPOTrainer (trainer/async_grpo_trainer.py) hands TRL completions and rewards through these calls: TRL
+    must still sync through `sync_weights()` and generate through `generate(prompts=..., num_generations=...)`, keep
+    the top-1 log-prob of each token, tokenize prompts in `_tokenize_prompts`, gather rewards across processes in
+    `_calculate_rewards`, and sample prompts with the RepeatSampler the producer replays (rollout/prompt_stream.py)."""
+    generation = inspect.getsource(trl.GRPOTrainer._generate_single_turn)
+    assert "self.vllm_generation.sync_weights()" in generation
+    assert "prompts=prompt_ids," in generation and "num_generations=num_generations," in generation
+    assert "logprobs = [[lp[0] for lp in seq] for seq in logprobs]" in generation
+    assert "prompt_ids, images, multimodal_fields = self._tokenize_prompts(prompts)" in inspect.getsource(
+        trl.GRPOTrainer._generate
+    )
+    rewards = inspect.getsource(trl.GRPOTrainer._calculate_rewards)
+    assert "rewards_per_func = gather(rewards_per_func)\n        return rewards_per_func" in rewards
+    sampler = re.sub(r"\s+", " ", inspect.getsource(trl.GRPOTrainer._get_train_sampler))
+    for line in (
+        "mini_repeat_count=self.num_generations,",
+        "batch_size=self.args.generation_batch_size // self.num_generations,",
+        "repeat_count=self.num_iterations * self.args.steps_per_generation,",
+        "seed=self.args.seed,",
+    ):
+        assert line in sampler, line

@@ -13,6 +13,7 @@ from typing import Any
 
 import trl
 
+from .trainer.async_grpo_config import AsyncGRPOConfig
 from .trainer.dpo_config import DPOConfig
 from .trainer.grpo_config import GRPOConfig
 from .trainer.ppo_config import PPOConfig
@@ -21,6 +22,7 @@ CONFIGS: list[tuple[type, type]] = [
     (GRPOConfig, trl.GRPOConfig),
     (PPOConfig, trl.GRPOConfig),
     (DPOConfig, trl.DPOConfig),
+    (AsyncGRPOConfig, GRPOConfig),
 ]
 
 
@@ -78,6 +80,17 @@ def render() -> str:
         fields = dataclasses.fields(ours)
         added = [f for f in fields if f.name not in parent_names]
         inherited = [f for f in fields if f.name in parent_names]
+        if parent.__module__.startswith("trlx_scale"):  # a trlx_scale config extended: the fields it declares
+            own = set(ours.__dict__.get("__annotations__", {}))
+            lines += [
+                "",
+                f"## `trlx_scale.{ours.__name__}`",
+                "",
+                f"Every field of `trlx_scale.{parent.__name__}` (above), and these (declared or redefined here):",
+                "",
+                *_table(ours, [f for f in fields if f.name in own]),
+            ]
+            continue
         lines += [
             "",
             f"## `trlx_scale.{ours.__name__}`",

@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-TRAINING_COMMANDS = {"grpo": "GRPO", "ppo": "PPO", "dpo": "DPO"}
+TRAINING_COMMANDS = {"grpo": "GRPO", "async_grpo": "asynchronous GRPO", "ppo": "PPO", "dpo": "DPO"}
 ACCELERATE_CONFIG_FLAG = "--accelerate_config"
 # Without --accelerate_config: one process, as `make run` launches (TRL leaves it to Accelerate's defaults, which
 # warn about a missing default config and pick the same).

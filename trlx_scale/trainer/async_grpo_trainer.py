@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import broadcast_object_list, gather
@@ -55,6 +56,17 @@ from ..rollout.staleness import StalenessSchedule
 from .async_grpo_config import AsyncGRPOConfig
 from .grpo_trainer import GRPOTrainer
 
+if TYPE_CHECKING:
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+    from peft import PeftConfig, PeftModel
+    from transformers import (
+        BitsAndBytesConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        ProcessorMixin,
+        TrainerCallback,
+    )
+
 PROBE_TOKENS = 8  # completion tokens appended to the probe prompt (any tokens: their log-probs are compared)
 
 
@@ -62,12 +74,43 @@ class AsyncGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` with asynchronous generation on vLLM servers (see the module docstring). Same constructor;
     ``args`` is an ``AsyncGRPOConfig``; reward functions are callables (TRL's signature, sync or async)."""
 
-    def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None, *positional, **kwargs):
+    def __init__(
+        self,
+        model: str | PreTrainedModel | PeftModel,
+        reward_funcs: Any | list[Any] | None = None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset
+        | IterableDataset
+        | DatasetDict
+        | IterableDatasetDict
+        | dict[str, Dataset | IterableDataset]
+        | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: BitsAndBytesConfig | None = None,
+        peft_config: PeftConfig | None = None,
+        tools: list[Callable] | None = None,
+        rollout_func: Any | None = None,
+        environment_factory: Any | None = None,
+    ):
         if not isinstance(args, AsyncGRPOConfig):
             raise TypeError(
                 f"AsyncGRPOTrainer needs an AsyncGRPOConfig (got {type(args).__name__}): "
                 "from trlx_scale import AsyncGRPOConfig."
             )
+        for name, value in (
+            ("tools", tools),
+            ("rollout_func", rollout_func),
+            ("environment_factory", environment_factory),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"AsyncGRPOTrainer does not take {name} yet: the producer samples single-turn completions on the "
+                    "server. Use GRPOTrainer for tool calling and custom rollouts."
+                )
         functions = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         for function in functions:
             if not callable(function) or isinstance(function, torch.nn.Module):
@@ -80,7 +123,19 @@ class AsyncGRPOTrainer(GRPOTrainer):
         # rollout, when the resume point is known.
         trl_args = copy.copy(args)
         trl_args.use_vllm = False
-        super().__init__(model, reward_funcs, trl_args, *positional, **kwargs)
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=trl_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
         self.args.use_vllm = True
         self.use_vllm = True
         self._check_vllm_only_options()
@@ -341,9 +396,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics["async/behaviour_weight_clip_frac"].append(stats[1].item())
 
     # ---------------------------------------------------------------- lifetime
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         finally:
             self.close_generation()
 
