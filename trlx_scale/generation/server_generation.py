@@ -32,7 +32,7 @@ from ..profiling.phase_timer import PhaseTimer
 from ..rollout.async_producer import RolloutProducer, ScoredGroup
 from ..rollout.staleness import StalenessSchedule
 from . import server_weights
-from .server_client import VLLMServerClient
+from .server_client import ServerError, VLLMServerClient
 from .vllm_server import VLLMServerProcess
 
 logger = logging.getLogger(__name__)
@@ -237,6 +237,14 @@ class ServerGeneration:
             return
         self._closed = True
         self.producer.close()
+        if self.accelerator.is_main_process and self.server_process is None:
+            # A server the user started outlives the run: give its adapter slots back.
+            for version in list(self.client.loaded_adapters):
+                try:
+                    self.client.unload_adapter(version)
+                except ServerError as error:
+                    logger.warning("could not unload policy version %d's adapter: %s", version, error)
+                    break
         for path in self._version_dirs.values():
             server_weights.remove_version(path)
         self._version_dirs.clear()

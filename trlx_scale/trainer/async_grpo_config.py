@@ -115,6 +115,12 @@ class AsyncGRPOConfig(GRPOConfig):
                 f"({self.gradient_accumulation_steps}) for asynchronous generation: one rollout per optimizer step, "
                 "so a rollout's age is counted in policy versions. Leave steps_per_generation unset."
             )
+        evaluation = str(getattr(self.eval_strategy, "value", self.eval_strategy))
+        if evaluation != "no":
+            raise ValueError(
+                f"eval_strategy={evaluation!r}: evaluation during asynchronous training is not supported yet "
+                "(the server's stream is the training prompts'). Set eval_strategy='no' and evaluate the saved model."
+            )
         if self.request_timeout <= 0 or self.vllm_server_timeout <= 0:
             raise ValueError("request_timeout and vllm_server_timeout must be positive (seconds).")
         if self.async_reward_workers < 1:

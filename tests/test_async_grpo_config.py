@@ -1,0 +1,71 @@
+"""AsyncGRPOConfig and AsyncGRPOTrainer refuse what asynchronous generation cannot do, naming the field and the fix
+(no server is started: every check runs before one would be)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig
+from trlx_scale.tasks import addition_dataset, exact_match_reward
+
+from .helpers.trainers import small_grpo_config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"max_staleness": -1}, "max_staleness must be >= 0"),
+        ({"max_staleness": 1, "weight_sync_steps": 3}, r"weight_sync_steps \(3\) must be between 1 and max_staleness"),
+        ({"num_iterations": 2}, "set num_iterations=1"),
+        ({"gradient_accumulation_steps": 2, "steps_per_generation": 1}, "must equal gradient_accumulation_steps"),
+        ({"eval_strategy": "steps", "eval_steps": 5}, "eval_strategy='steps'.*Set eval_strategy='no'"),
+        ({"request_timeout": 0}, "must be positive"),
+        ({"async_reward_workers": 0}, "async_reward_workers must be at least 1"),
+    ],
+)
+def test_bad_settings_are_named(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_grpo_config(tmp_path, AsyncGRPOConfig, **overrides)
+
+
+def test_the_config_implies_a_server_and_reads_several_urls(tmp_path):
+    args = small_grpo_config(tmp_path, AsyncGRPOConfig, vllm_server_base_url="http://a:8000, http://b:8001")
+    assert args.use_vllm and args.vllm_mode == "server"
+    assert args.server_urls == ["http://a:8000", "http://b:8001"]
+    assert small_grpo_config(tmp_path, AsyncGRPOConfig).server_urls == []
+
+
+def test_the_trainer_refuses_what_the_producer_cannot_run(tmp_path, default_model_dir):
+    dataset = addition_dataset("train", size=16)
+    with pytest.raises(TypeError, match="needs an AsyncGRPOConfig"):
+        AsyncGRPOTrainer(default_model_dir, exact_match_reward, small_grpo_config(tmp_path, GRPOConfig), dataset)
+    args = small_grpo_config(tmp_path, AsyncGRPOConfig)
+    with pytest.raises(TypeError, match="load a reward model inside a function"):
+        AsyncGRPOTrainer(default_model_dir, torch.nn.Linear(2, 1), args, dataset)
+    with pytest.raises(ValueError, match="does not take tools yet"):
+        AsyncGRPOTrainer(default_model_dir, exact_match_reward, args, dataset, tools=[len])
+
+
+def test_prompt_stream_deals_whole_groups_as_accelerate_deals_batches():
+    """A sampler of 3 prompts x G=2 per rank batch, repeated twice (steps_per_generation 2), over 2 ranks: rank r
+    gets the r-th batch of each world's worth, every repeat skipped. Rows that split a group are refused."""
+    from trlx_scale.rollout.prompt_stream import RankPromptStream
+
+    def sampler():  # two generation batches of 2 ranks x 6 rows, each yielded twice (TRL's repeat_count)
+        for batch in ([0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]):
+            for _ in range(2):
+                yield from (index for index in batch for _ in range(2))
+
+    dataset = [{"prompt": f"p{i}"} for i in range(12)]
+    rank1 = RankPromptStream(
+        sampler, dataset, rank=1, world_size=2, rows_per_rollout=6, num_generations=2, repeat_count=2
+    )
+    assert rank1.rollout_indices(0) == [3, 3, 4, 4, 5, 5]
+    assert rank1.rollout_indices(1) == [9, 9, 10, 10, 11, 11]
+    assert [rank1.group(k)["prompt"] for k in range(6)] == ["p3", "p4", "p5", "p9", "p10", "p11"]
+    assert rank1.rollout_indices(2) == [3, 3, 4, 4, 5, 5]  # the next epoch re-iterates the sampler
+    with pytest.raises(RuntimeError, match="differ from the ones the asynchronous producer sampled ahead"):
+        rank1.check_rollout(0, [{"prompt": "p0"}] * 6)
+    with pytest.raises(ValueError, match="must be a multiple of num_generations"):
+        RankPromptStream(sampler, dataset, rank=0, world_size=2, rows_per_rollout=5, num_generations=2, repeat_count=1)
