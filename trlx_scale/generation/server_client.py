@@ -23,6 +23,7 @@ or fails mid-run (``ServerFailedError``, with the exit code and the end of the l
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ import httpx
 
 from ..rollout.async_producer import GroupRequest, SampledGroup
 from .vllm_server import VLLMServerProcess
+
+TRANSPORT_RETRIES = 2  # a sampling request resent after a dropped keep-alive connection, at most this often
 
 
 class ServerError(RuntimeError):
@@ -111,6 +114,10 @@ class VLLMServerClient:
         self._async_client: httpx.AsyncClient | None = None
 
     # ---------------------------------------------------------------- errors
+    def _server_alive(self) -> bool:
+        """False when this process started the server and it has exited (or is exiting: a short wait)."""
+        return self.process is None or not self.process.wait_for_exit(1.0)
+
     def _failure(self, url: str, error: Exception) -> ServerError:
         if self.process is not None and not isinstance(error, httpx.TimeoutException):
             self.process.wait_for_exit(2.0)  # a dropped connection: the process may be exiting right now
@@ -194,10 +201,18 @@ class VLLMServerClient:
         }
         if self._async_client is None:  # made on the producer's event loop, which it then belongs to
             self._async_client = httpx.AsyncClient(timeout=self.request_timeout)
-        try:
-            response = await self._async_client.post(url + "/v1/completions", json=body)
-        except httpx.HTTPError as error:
-            raise self._failure(url, error) from error
+        for attempt in range(TRANSPORT_RETRIES + 1):
+            try:
+                response = await self._async_client.post(url + "/v1/completions", json=body)
+                break
+            except httpx.HTTPError as error:
+                # A keep-alive connection the server closed as the request went out (uvicorn drops idle ones after
+                # 5 s) fails with a read/protocol error although the server is fine: a seeded request is safe to
+                # send again. A server that is gone, a timeout, or repeated failures are errors.
+                transient = isinstance(error, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError))
+                if not transient or attempt == TRANSPORT_RETRIES or not self._server_alive():
+                    raise self._failure(url, error) from error
+                await asyncio.sleep(0.1 * (attempt + 1))
         self._check_status(url, response, f"group {request.index}")
         answer = response.json()
         if answer.get("model") != name:
