@@ -187,6 +187,8 @@ def test_two_processes_train_asynchronously_and_learn(config, server, tmp_path):
         "1",
         "--eval_every_steps",
         "0",
+        "--max_staleness",
+        "2",
         "--output_dir",
         str(out),
         "--vllm_server_base_url",
@@ -195,7 +197,7 @@ def test_two_processes_train_asynchronously_and_learn(config, server, tmp_path):
     run_command(command, timeout=900)
     summary = read_run_summary(out)
     assert summary["world_size"] == 2 and summary["steps"] == 8
-    assert summary["staleness_max"] == 2  # the example's max_staleness, reached and never passed
+    assert summary["staleness_max"] == 2  # max_staleness, reached and never passed
     rewards = summary["reward_curve"]
     assert len(rewards) == 8
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards

@@ -58,8 +58,9 @@ class AsyncGRPOConfig(GRPOConfig):
         metadata={
             "help": "How many policy versions older than the trainer's a sample's weights may be. Kept by admission "
             "control: a group starts only if it will be at most this old when trained (nothing is dropped). 0: "
-            "synchronous generation on the server. Default 4, TRL's (the simulated benchmark reaches 90 percent "
-            "of the max(generation, training) bound at 4, 63 percent at 2: docs/benchmarks.md)."
+            "synchronous generation on the server. Default 4, TRL's: with long-tail completion times the simulated "
+            "benchmark reaches 90 percent of the max(generation, training) bound at 4, 63 percent at 2; on a "
+            "2-core CPU machine with short completions 1, 2 and 4 are equally fast (docs/benchmarks.md)."
         },
     )
     weight_sync_steps: int = field(
