@@ -274,3 +274,45 @@ def test_schedule_after_a_resume_starts_from_the_checkpoints_version():
     straight = StalenessSchedule(1, max_staleness=2, weight_sync_steps=2)
     assert [resumed.sampled_at(k) for k in range(5, 11)] == [5, 5, 5, 6, 8, 8]
     assert [straight.sampled_at(k) for k in range(8, 11)] == [6, 8, 8]
+
+
+def test_held_requests_let_a_request_run_alone_at_the_server():
+    """hold_requests() returns once no request is at the sampler, and none starts inside the block (the weight probe
+    runs alone on vLLM's CPU build, where it crashes a LoRA-enabled engine when batched with sampling requests)."""
+    state = {"at_server": 0, "while_held": 0, "held": False}
+
+    class CountingSampler:
+        async def sample(self, request):
+            state["at_server"] += 1
+            if state["held"]:
+                state["while_held"] += 1
+            await asyncio.sleep(0.02)
+            state["at_server"] -= 1
+            return SampledGroup(
+                completion_ids=[[1]] * request.num_generations, logprobs=[[-1.0]], version=request.version
+            )
+
+    producer = RolloutProducer(
+        prompt_for=str,
+        sampler=CountingSampler(),
+        score=_length_reward,
+        schedule=StalenessSchedule(groups_per_version=4, max_staleness=3),
+        num_generations=2,
+        seed=0,
+        max_inflight_tasks=16,
+        queue_maxsize=64,
+    )
+    producer.start()
+    try:
+        producer.publish_version(0)
+        time.sleep(0.005)  # requests are at the sampler now
+        with producer.hold_requests(timeout=10):
+            state["held"] = True
+            assert state["at_server"] == 0
+            producer.publish_version(1)  # admits more groups: none may start while held
+            time.sleep(0.1)
+            state["held"] = False
+        assert len(producer.take(8, timeout=10)) == 8  # released: the run goes on
+    finally:
+        producer.close()
+    assert state["while_held"] == 0

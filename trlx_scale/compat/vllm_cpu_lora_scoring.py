@@ -5,6 +5,10 @@ Its CPU LoRA logits path (``punica_cpu.bgmv_shrink``) fails with an einsum size 
 log-probs) therefore gets merged full weights instead of a served adapter; nothing is lost, since the reference of a
 fresh adapter is its base.
 
+The asynchronous trainer's weight probe (``generation.server_generation``) scores a prompt on a vLLM server that
+may have LoRA enabled: there it runs alone (no sampling request beside it), which the CPU path handles; batched with
+sampling requests it crashed the server's engine.
+
 Guard: vLLM 0.32.x on a CPU-only machine. tests/test_compat.py fails when a vLLM there scores prompts with LoRA
 enabled (then this workaround can go) or when another vLLM is installed (then the guard must be reviewed).
 """

@@ -19,6 +19,7 @@ writes files and talks to the servers, then every rank publishes the version to 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -27,11 +28,13 @@ from typing import Any
 import torch
 from trl.distributed import DistributedBackend
 
+from ..compat.vllm_cpu_lora_scoring import lora_breaks_prompt_logprobs
 from ..peft_models import is_peft_model
 from ..profiling.phase_timer import PhaseTimer
 from ..rollout.async_producer import RolloutProducer, ScoredGroup
 from ..rollout.staleness import StalenessSchedule
 from . import server_weights
+from .cpu_environment import running_on_cpu_only
 from .server_client import ServerError, VLLMServerClient
 from .vllm_server import VLLMServerProcess
 
@@ -94,7 +97,8 @@ class ServerGeneration:
         with self.phase_timer.phase("weight_sync"):
             began = time.perf_counter()
             paused = self._send(version)
-            self._verify(version)
+            with self._probe_alone():
+                self._verify(version)
             self.accelerator.wait_for_everyone()
             if not self.accelerator.is_main_process:  # the main process updated the servers for every rank
                 self.client.record_update(version, self._version_dirs.get(version))
@@ -143,6 +147,20 @@ class ServerGeneration:
             else:
                 paused, _ = self.client.reload_weights(version, self._version_dirs[version])
         return paused
+
+    @contextlib.contextmanager
+    def _probe_alone(self):
+        """On vLLM 0.32's CPU build a prompt-scoring request batched with sampling requests crashes a LoRA-enabled
+        engine (``compat.vllm_cpu_lora_scoring``; seen with the probe: an einsum size mismatch in the CPU LoRA
+        logits path, then the engine is dead). There every rank's producer holds its requests until the probe has
+        run alone; elsewhere the probe runs beside them."""
+        if not lora_breaks_prompt_logprobs(running_on_cpu_only()):
+            yield
+            return
+        with self.producer.hold_requests(timeout=self.request_timeout):
+            self.accelerator.wait_for_everyone()  # no rank's request is at the server
+            yield
+        self.accelerator.wait_for_everyone()
 
     def _trainer_probe_logprobs(self) -> torch.Tensor:
         """The trainer's log-probs of the probe (a forward on every rank: ZeRO-3 gathers inside it)."""

@@ -26,6 +26,7 @@ no group in flight: the engine had nothing to do), ``async/groups_in_flight`` an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import threading
 import time
@@ -134,6 +135,8 @@ class RolloutProducer:
         self._next_start = schedule.start_index
         self._next_take = schedule.start_index
         self._in_flight = 0
+        self._sampling = 0  # requests at the sampler (the server) now: in flight minus those being scored
+        self._held = 0  # hold_requests() callers: no request starts while above 0
         self._ready: dict[int, ScoredGroup] = {}
         self._error: BaseException | None = None
         self._closed = False
@@ -228,6 +231,26 @@ class RolloutProducer:
             self._taken_staleness = []
         return metrics
 
+    @contextlib.contextmanager
+    def hold_requests(self, timeout: float):
+        """No new request to the sampler inside the block, which starts once those in flight have returned (the
+        trainer runs a request of its own alone on the server: ``ServerGeneration``'s probe on vLLM's CPU build)."""
+        with self._lock:
+            self._held += 1
+            deadline = time.monotonic() + timeout
+            while self._sampling > 0 and self._error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._held -= 1
+                    raise TimeoutError(f"{self._sampling} requests still at the server after {timeout:.0f} s.")
+                self._lock.wait(min(remaining, 1.0))
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held -= 1
+            self._poke()
+
     @property
     def next_index(self) -> int:
         """The first group not taken yet: what a checkpoint records (later groups are regenerated on resume)."""
@@ -261,6 +284,7 @@ class RolloutProducer:
         return (
             self._error is None
             and not self._closed
+            and not self._held
             and self._in_flight < self.max_inflight_tasks
             and waiting < self.queue_maxsize
             and self.schedule.may_start(index, self._published)
@@ -310,7 +334,14 @@ class RolloutProducer:
 
     async def _run_group(self, request: GroupRequest) -> None:
         try:
-            sampled = await self.sampler.sample(request)
+            with self._lock:
+                self._sampling += 1
+            try:
+                sampled = await self.sampler.sample(request)
+            finally:
+                with self._lock:
+                    self._sampling -= 1
+                    self._lock.notify_all()
             self.schedule.check(request.index, sampled.version)
             if len(sampled.completion_ids) != request.num_generations:
                 raise RuntimeError(

@@ -396,9 +396,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics["async/behaviour_weight_clip_frac"].append(stats[1].item())
 
     # ---------------------------------------------------------------- lifetime
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         try:
-            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.close_generation()
 
