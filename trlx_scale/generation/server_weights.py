@@ -22,20 +22,17 @@ import torch
 from safetensors.torch import save_file
 
 from ..compat.vllm_weight_reload import tied_weight_aliases
+from .weight_sync import ram_backed_directory
 
-SHARED_MEMORY = "/dev/shm"
 WEIGHTS_FILE = "model.safetensors"
 
 
 def version_root(size_bytes: int, root: str | None = None) -> str:
-    """Where version directories go: ``root`` if given, else shared memory when it has twice ``size_bytes`` free,
-    else the temporary directory."""
-    if root is None:
-        root = tempfile.gettempdir()
-        if os.path.isdir(SHARED_MEMORY) and shutil.disk_usage(SHARED_MEMORY).free >= 2 * size_bytes:
-            root = SHARED_MEMORY
-    path = tempfile.mkdtemp(prefix="trlx-scale-policy-", dir=root)
-    return path
+    """Where version directories go: a new directory under ``root`` if given, else in shared memory when it has
+    twice ``size_bytes`` free, else on disk (``weight_sync.ram_backed_directory``, the colocated sync's rule)."""
+    if root is not None:
+        return tempfile.mkdtemp(prefix="trlx-scale-policy-", dir=root)
+    return ram_backed_directory(prefix="trlx-scale-policy-", needed_bytes=size_bytes)
 
 
 def _publish(staging: str, final: str) -> str:
