@@ -216,7 +216,9 @@ def run_server(cli) -> None:
 
     settings = [("sync", 0)] + [("async", s) for s in cli.staleness if s > 0]
     results: dict[tuple, list[float]] = {}
-    launch = ServerLaunch(model=default_model_path(), dtype="float32", max_loras=max(cli.staleness) + 2)
+    # The server the trainer starts itself here: on CPU it sends merged full weights (vllm_sync_mode "auto"), so
+    # no adapter slots, which slow the CPU engine's sampling.
+    launch = ServerLaunch(model=default_model_path(), dtype="float32", enable_lora=False)
     with VLLMServerProcess(launch, startup_timeout=600) as server, tempfile.TemporaryDirectory() as workdir:
         for repeat in range(cli.repeats):
             for latency in cli.reward_latency:
@@ -248,6 +250,16 @@ def run_server(cli) -> None:
             json.dump({"args": vars(cli), "summary": summary, "runs": raw}, handle, indent=1)
 
 
+def _learning_setting(text: str) -> tuple[str, int, bool]:
+    """'sync', or 'async:S:on' / 'async:S:off' (max_staleness S, the correction on or off)."""
+    if text == "sync":
+        return ("sync", 0, True)
+    kind, staleness, correction = text.split(":")
+    if kind != "async" or correction not in ("on", "off"):
+        raise ValueError(f"--learning-settings: {text!r} is not 'sync' or 'async:S:on|off'.")
+    return ("async", int(staleness), correction == "on")
+
+
 def run_learning(cli) -> None:
     """Each setting through the examples (subprocesses): held-out accuracy after the same samples."""
     import subprocess
@@ -257,9 +269,7 @@ def run_learning(cli) -> None:
     from trlx_scale.tasks import default_model_path
 
     root = os.path.dirname(HERE)
-    settings = [("sync", 0, True), ("async", 0, True)]
-    for staleness in (1, 4):
-        settings += [("async", staleness, True), ("async", staleness, False)]
+    settings = [_learning_setting(text) for text in cli.learning_settings]
     results: dict[tuple, list[float]] = {}
     launch = ServerLaunch(model=default_model_path(), dtype="float32", max_loras=6)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1")
@@ -312,6 +322,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 1])
     parser.add_argument("--learning-steps", type=int, default=200)
+    parser.add_argument(
+        "--learning-settings",
+        nargs="+",
+        default=["sync", "async:0:on", "async:1:on", "async:1:off", "async:4:on", "async:4:off"],
+        help="the --learning runs: 'sync', or 'async:S:on|off' (max_staleness S, the correction on or off)",
+    )
     parser.add_argument("--server-steps", type=int, default=12, help="steps of each --server run (3..N timed)")
     parser.add_argument("--one-server-config", nargs=6, default=None, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--repeats", type=int, default=5)

@@ -1,6 +1,7 @@
 """AsyncGRPOTrainer end to end on CPU with real `vllm serve` subprocesses and the embedded model: max_staleness=0
 equals the synchronous GRPOTrainer, the staleness bound and per-version verification hold with full weights and
-with LoRA adapters, resume at max_staleness=0 is exact, and the server faults are errors."""
+with LoRA adapters, resume is exact (at max_staleness 0 and 1), two servers share the work as replicas, and the
+server faults are errors."""
 
 from __future__ import annotations
 
@@ -132,18 +133,59 @@ def test_lora_versions_are_adapters_of_their_own(server, default_model_dir, defa
     assert logged(trainer, "async/staleness_max") == [0.0, 1.0, 1.0, 1.0]
 
 
-def test_resume_at_max_staleness_zero_is_exact(server, default_model_dir, tmp_path):
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_resume_is_exact(server, default_model_dir, tmp_path, max_staleness):
     """4 straight steps (a checkpoint at step 2) against a new trainer resuming from that checkpoint: the same
-    rewards and the same losses for steps 3-4 (the producer regenerates what was ahead: its groups and seeds are
-    functions of the step, and with max_staleness=0 of the checkpoint's weights)."""
-    straight = _async(tmp_path / "a", default_model_dir, server, max_staleness=0, save_strategy="steps", save_steps=2)
+    rewards, staleness and losses for steps 3-4. At max_staleness=0 the producer regenerates what was ahead (its
+    groups and seeds are functions of the step, sampled by the checkpoint's weights). At 1, step 3's groups were
+    sampled by version 1, which the resumed run no longer has: the checkpoint carries them (its rollout window), and
+    step 4's are sampled by version 2 in both runs. Without the window, step 3 would be sampled by version 2
+    (staleness 0, not 1)."""
+    settings = dict(max_staleness=max_staleness, learning_rate=5e-3)
+    straight = _async(tmp_path / "a", default_model_dir, server, save_strategy="steps", save_steps=2, **settings)
     straight.train()
-    resumed = _async(tmp_path / "b", default_model_dir, server, max_staleness=0)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "async" / "checkpoint-2"))
+    checkpoint = tmp_path / "a" / "async" / "checkpoint-2"
+    assert (checkpoint / "async_rollout_window_rank0.pt").is_file()
+    resumed = _async(tmp_path / "b", default_model_dir, server, **settings)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert logged(straight, "async/staleness_max") == [0.0] + [float(max_staleness)] * 3
+    assert logged(resumed, "async/staleness_max") == logged(straight, "async/staleness_max")
     assert logged(resumed, "reward") == logged(straight, "reward")
     assert len(logged(resumed, "loss")) == 4
     assert torch.allclose(torch.tensor(logged(resumed, "loss")), torch.tensor(logged(straight, "loss")), atol=1e-7)
     assert logged(resumed, "grad_norm")[2:] == pytest.approx(logged(straight, "grad_norm")[2:], rel=1e-5)
+
+
+def _finished_requests(url: str) -> float:
+    """The requests a vLLM server has finished (its Prometheus counter, every finish reason)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total")
+    )
+
+
+def test_replicas_share_the_groups_and_every_update(server, default_model_dir, tmp_path):
+    """Two servers as data-parallel replicas (a comma-separated vllm_server_base_url): group k goes to replica k mod 2,
+    so both sample, equally; every version is sent to both and verified on both (a replica left on older weights fails
+    its probe: WeightDeliveryError)."""
+    launch = ServerLaunch(model=default_model_dir, dtype="float32", enable_lora=False)
+    with VLLMServerProcess(launch, startup_timeout=300) as second:
+        urls = [server.url, second.url]
+        before = [_finished_requests(url) for url in urls]
+        trainer = _async(
+            tmp_path, default_model_dir, vllm_server_base_url=",".join(urls), max_staleness=1, learning_rate=5e-3
+        )
+        trainer.train()
+        served = [_finished_requests(url) - count for url, count in zip(urls, before, strict=True)]
+    assert len(logged(trainer, "sync/probe_logprob_gap")) == 4
+    assert all(gap < 1e-3 for gap in logged(trainer, "sync/probe_logprob_gap"))
+    assert logged(trainer, "async/staleness_max") == [0.0, 1.0, 1.0, 1.0]
+    # 8 groups trained (2 per step), 4 per replica, plus 4 probes each; a group is one request of n=4 (counted once
+    # or per sample): the replicas differ by at most one group admitted ahead of the end.
+    assert min(served) >= 4 + 4
+    assert abs(served[0] - served[1]) <= 4
 
 
 def test_an_unreachable_server_stops_the_run_at_once(default_model_dir, tmp_path):

@@ -14,6 +14,7 @@ from trlx_scale.rollout.async_producer import (
     RolloutProducer,
     RolloutProducerError,
     SampledGroup,
+    ScoredGroup,
     group_seed,
 )
 from trlx_scale.rollout.reward_scoring import ConcurrentRewardScorer
@@ -274,6 +275,103 @@ def test_schedule_after_a_resume_starts_from_the_checkpoints_version():
     straight = StalenessSchedule(1, max_staleness=2, weight_sync_steps=2)
     assert [resumed.sampled_at(k) for k in range(5, 11)] == [5, 5, 5, 6, 8, 8]
     assert [straight.sampled_at(k) for k in range(8, 11)] == [6, 8, 8]
+
+
+def _trained_groups(producer: RolloutProducer, engine: SimulatedEngine, steps: range, groups_per_step: int):
+    """The trainer's loop: each step publishes its version (the weights sync before the rollout), then takes the
+    step's groups. A checkpoint after it is taken before the next version is published."""
+    taken = []
+    for step in steps:
+        engine.publish(step)
+        producer.publish_version(step)
+        taken.extend(producer.take(groups_per_step, timeout=30))
+    return taken
+
+
+def test_a_checkpoints_window_resumes_the_interrupted_schedule(tmp_path):
+    """max_staleness=2, 2 groups per step, 6 steps straight; against 3 steps, a checkpoint (the window: groups 6-9,
+    trained at v3-v4 and sampled by v1-v2, waited for and saved), then a new producer on an engine that only ever
+    has v3 on: the same groups, versions, seeds, completions, log-probs and rewards. queue_maxsize=4 (two steps)
+    does not hold the window back. Without the window the resumed engine would be asked for v1, which it lacks."""
+    from trlx_scale.rollout.rollout_window import load_window, save_window
+
+    def producer(ready=(), start=0):
+        schedule = StalenessSchedule(groups_per_version=2, max_staleness=2, start_index=2 * start, start_version=start)
+        return RolloutProducer(
+            prompt_for=lambda k: f"prompt-{k}",
+            sampler=engine,
+            score=_length_reward,
+            schedule=schedule,
+            num_generations=3,
+            seed=7,
+            max_inflight_tasks=3,
+            queue_maxsize=4,
+            ready=ready,
+        )
+
+    def key(group):
+        return (group.index, group.request.version, group.request.seed, group.sampled.version, group.staleness)
+
+    engine = SimulatedEngine(slots=4, mean_group_time=0.005)
+    straight = producer()
+    straight.start()
+    try:
+        whole = _trained_groups(straight, engine, range(6), 2)
+    finally:
+        straight.close()
+
+    engine = SimulatedEngine(slots=4, mean_group_time=0.005)
+    first = producer()
+    first.start()
+    try:
+        before = _trained_groups(first, engine, range(3), 2)[:6]
+        window = first.admitted_groups(timeout=30)
+    finally:
+        first.close()
+    assert [group.index for group in window] == [6, 7, 8, 9]
+    assert [group.sampled.version for group in window] == [1, 1, 2, 2]
+    save_window(str(tmp_path / "window.pt"), window, {"max_staleness": 2})
+    settings, loaded = load_window(str(tmp_path / "window.pt"))
+    assert settings == {"max_staleness": 2}
+
+    engine = SimulatedEngine(slots=4, mean_group_time=0.005)  # a new server: only the checkpoint's weights on
+    resumed = producer(ready=loaded, start=3)
+    resumed.start()
+    try:
+        after = _trained_groups(resumed, engine, range(3, 6), 2)
+    finally:
+        resumed.close()
+    assert [key(group) for group in before + after] == [key(group) for group in whole]
+    assert [group.sampled.completion_ids for group in before + after] == [g.sampled.completion_ids for g in whole]
+    assert [group.sampled.logprobs for group in before + after] == [group.sampled.logprobs for group in whole]
+    assert [group.rewards for group in before + after] == [group.rewards for group in whole]
+
+
+def test_a_window_of_other_settings_is_not_continued():
+    from trlx_scale.rollout.rollout_window import window_mismatch
+
+    saved = {"seed": 1, "max_staleness": 2, "oldest_version": 0}
+    assert window_mismatch(saved, {"seed": 1, "max_staleness": 2, "oldest_version": 5}) is None
+    assert window_mismatch(saved, {"seed": 1, "max_staleness": 4, "oldest_version": 0}) == (
+        "max_staleness was 2 when it was saved, is 4 now"
+    )
+
+
+def test_a_producer_refuses_a_queue_that_does_not_start_at_its_schedule():
+    schedule = StalenessSchedule(groups_per_version=1, max_staleness=1, start_index=4, start_version=4)
+    group = ScoredGroup(GroupRequest(5, "p", 1, 4, 0), SampledGroup([[1]], [[-1.0]], 4), [[1.0]], 1)
+    with pytest.raises(ValueError, match="must be groups \\[4\\]"):
+        RolloutProducer(
+            prompt_for=str,
+            sampler=SimulatedEngine(1, 0.01),
+            score=_length_reward,
+            schedule=schedule,
+            num_generations=1,
+            seed=0,
+            max_inflight_tasks=1,
+            queue_maxsize=1,
+            ready=[group],
+        )
 
 
 def test_held_requests_let_a_request_run_alone_at_the_server():

@@ -89,6 +89,24 @@ def test_activation_formula_by_hand():
     assert activation_bytes(shape, 2, 10, 4, 2, checkpointing=True) == (2 * 20 * 64 + 20 * 960) * 2 + 8000
 
 
+def test_a_token_budget_bounds_the_recomputed_layer_only():
+    """Packed passes under max_tokens_per_microbatch: 4 sequences x 10 tokens in forwards of at most 12 tokens. With
+    checkpointing the backward recomputes one layer of one forward (12 tokens, not 40); the kept layer inputs and the
+    logits are the micro-batch's (TRL's loss spans it). A budget below the longest sample: that sample's forward.
+    Without checkpointing every forward's graph is kept: the budget changes nothing."""
+    shape = ModelShape(**TINY)
+    kept, logits = 2 * 40 * 64, 4 * 4 * 100 * (2 + 8)
+    assert activation_bytes(shape, 4, 10, 4, 2, True, max_tokens_per_microbatch=12) == (kept + 12 * 960) * 2 + logits
+    assert activation_bytes(shape, 4, 10, 4, 2, True, max_tokens_per_microbatch=4) == (kept + 10 * 960) * 2 + logits
+    assert activation_bytes(shape, 4, 10, 4, 2, True, max_tokens_per_microbatch=400) == (kept + 40 * 960) * 2 + logits
+    unbounded = activation_bytes(shape, 4, 10, 4, 2, False)
+    assert activation_bytes(shape, 4, 10, 4, 2, False, max_tokens_per_microbatch=12) == unbounded
+    roles = {r.role: r for r in role_memory(_run(micro_batch=8, max_tokens_per_microbatch=12), Layout(), 80).roles}
+    full = {r.role: r for r in role_memory(_run(micro_batch=8), Layout(), 80).roles}
+    assert full["activations"].training - roles["activations"].training == (80 - 12) * 960 * 2
+    assert "one layer of 12 tokens recomputed" in roles["activations"].formula
+
+
 def test_gathered_working_set():
     shape = ModelShape(**TINY)
     # two layers plus the largest tensor (here an MLP matrix, 64 x 128, larger than the 100 x 64 embedding)
@@ -176,6 +194,7 @@ def test_balanced_split_by_hand():
         (lambda: resolve_accelerator(None, None), "--gpu"),
         (lambda: plan(_run(vllm_tensor_parallel_size=3), resolve_accelerator("h100", None), 1, 8), "--vllm-tp"),
         (lambda: role_memory(_run(algo="a2c"), Layout(), 80), "--algo"),
+        (lambda: role_memory(_run(max_tokens_per_microbatch=0), Layout(), 80), "--max-tokens-per-microbatch"),
         (lambda: role_memory(_run(), Layout("ddp", True), 80), "--offload"),
         (lambda: role_memory(_run(algo="ppo", critic_mode="shared_base"), Layout(), 80), "--lora-rank"),
         (lambda: ModelShape(params=1e6, layers=32, hidden=4096, heads=32).complete(), "--params"),

@@ -43,6 +43,22 @@ def test_json_has_fits_peak_and_roles_per_backend(capsys):
     assert result["disaggregated_split"]["generation_gpus"] + result["disaggregated_split"]["training_gpus"] == 8
 
 
+def test_the_token_budget_lowers_the_activations_it_bounds(capsys):
+    """7B GRPO, 16 sequences x 8192 tokens, checkpointed: packed forwards of 16384 tokens recompute one layer for
+    16384 tokens instead of 131072 (the kept activations and logits unchanged)."""
+    args = ["plan", *SEVEN_B, "--algo", "grpo", "--gpus-per-node", "8", "--gpu", "h100", "--backend", "zero3"]
+    args += ["--micro-batch", "16", "--prompt-length", "192", "--completion-length", "8000", "--json"]
+    activations = []
+    for extra in ([], ["--max-tokens-per-microbatch", "16384"]):
+        assert cli_main([*args, *extra]) == 0
+        activations.append(json.loads(capsys.readouterr().out)["backends"]["zero3"]["roles"]["activations"])
+    per_token_layer = 4 * 4096 + 2 * 4096 + 2 * 4096 + 4 * 11008  # 7B: a = k = 32 heads of 128, MLP 11008
+    saved_gib = (131072 - 16384) * per_token_layer * 2 / 2**30
+    assert activations[0]["training_gib"] - activations[1]["training_gib"] == pytest.approx(
+        saved_gib, abs=0.01
+    )  # JSON: 2 decimals
+
+
 def test_write_produces_a_config_accelerate_loads_and_the_launch_command(tmp_path, capsys):
     args = ["plan", *SEVEN_B, "--algo", "grpo", "--gpus-per-node", "8", "--gpu", "a100-80", "--write", str(tmp_path)]
     assert cli_main(args) == 0

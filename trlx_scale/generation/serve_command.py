@@ -97,7 +97,12 @@ def add_serve_parser(commands) -> None:
     serve.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens at most")
     serve.add_argument("--max-staleness", type=int, default=4, help="the trainer's max_staleness (adapter slots)")
     serve.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank the trainer sends")
-    serve.add_argument("--no-lora", action="store_true", help="full-weight training only (no adapter slots)")
+    serve.add_argument(
+        "--no-lora",
+        action="store_true",
+        help="no adapter slots: for full-weight training, and on CPU, where a LoRA policy is sent merged "
+        "(vllm_sync_mode 'auto') and the slots only slow the engine's sampling",
+    )
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     serve.add_argument("--log", default=None, help="the server's log file (default: a temporary file)")

@@ -67,6 +67,12 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     run.add_argument("--generation-batch", type=int, help="sequences one engine generates per rollout")
     run.add_argument("--num-generations", type=int, default=8, help="completions per prompt (GRPO group)")
     run.add_argument("--no-gradient-checkpointing", action="store_true")
+    run.add_argument(
+        "--max-tokens-per-microbatch",
+        type=int,
+        help="packed (padding_free) passes: the most tokens of one forward (the field of that name); with gradient "
+        "checkpointing it bounds the layer recomputed in the backward",
+    )
     run.add_argument("--precision", choices=PRECISIONS, default="bf16-master", help="bf16-master: the presets")
 
     engine = parser.add_argument_group("colocated vLLM engine")
@@ -140,6 +146,7 @@ def run_spec_from_args(args: argparse.Namespace, model: ModelShape) -> RunSpec:
         generation_batch=args.generation_batch,
         num_generations=args.num_generations,
         gradient_checkpointing=not args.no_gradient_checkpointing,
+        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
         precision=args.precision,
         vllm=not args.no_vllm and args.algo != "dpo",  # offline DPO generates nothing
         vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,

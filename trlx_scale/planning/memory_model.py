@@ -21,7 +21,9 @@ Formulas (N = data-parallel GPUs; P = parameters; T = trainable parameters (P, o
   SiLU(gate), product); i.e. 4h + 2ad + 2kd + 4f values, which for a GPT-shaped layer (k = a, ad = h, f = 4h) is
   24h -- the 34sbh bytes of Korthikanti et al. 2022 ("Reducing Activation Recomputation", eq. 2) less its dropout
   masks and softmax. With gradient checkpointing only each layer's input (h values) is kept, plus one layer's full
-  activations while it is recomputed (Chen et al. 2016). The LM head adds, for the scored tokens, the logits in the
+  activations while it is recomputed (Chen et al. 2016); with packed passes under ``max_tokens_per_microbatch``
+  that layer is recomputed for one forward's tokens (the budget, or the longest sample if longer), not the
+  micro-batch's: the kept activations stay the micro-batch's (TRL's loss spans it). The LM head adds, for the scored tokens, the logits in the
   compute dtype plus the fp32 log-softmax and its gradient: V x (bytes + 8) per token.
 - Colocated vLLM engine (Kwon et al. 2023): awake, it takes ``gpu_memory_utilization`` of the GPU (its weights,
   in its dtype and split by tensor parallelism, and the KV cache in what is left). KV cache per token:
@@ -86,6 +88,9 @@ class RunSpec:
     trainable_params: int | None = None  # counted by a live trainer (else: all, or the LoRA formula)
     compute_bytes: int | None = None  # activation dtype (else: by precision)
     zero3_init: bool = True  # ZeRO-3 builds the model partitioned (zero3_init_flag); off: each rank loads it whole
+    # Packed (padding-free) passes: the most tokens of one forward (max_tokens_per_microbatch); None: one forward
+    # per micro-batch (padded, or packed without a budget).
+    max_tokens_per_microbatch: int | None = None
 
     def validate(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -102,6 +107,10 @@ class RunSpec:
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be a positive integer, got {getattr(self, name)}.")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(
+                f"--max-tokens-per-microbatch must be a positive number of tokens, got {self.max_tokens_per_microbatch}."
+            )
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(
                 f"--vllm-gpu-memory-utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}."
@@ -273,16 +282,36 @@ def training_state(
     return {name: ((0.0, value) if name in on_host else (value, 0.0)) for name, value in parts.items()}
 
 
+def forward_tokens(tokens: int, seq_len: int, max_tokens_per_microbatch: int | None) -> int:
+    """The most tokens one forward of a micro-batch of ``tokens`` runs: all of them, or under a packed pass's token
+    budget the budget (a sample longer than it gets a forward of its own, so never below ``seq_len``)."""
+    if max_tokens_per_microbatch is None:
+        return tokens
+    return min(tokens, max(max_tokens_per_microbatch, seq_len))
+
+
 def activation_bytes(
-    model: ModelShape, sequences: int, seq_len: int, scored_tokens: int, compute_bytes: int, checkpointing: bool
+    model: ModelShape,
+    sequences: int,
+    seq_len: int,
+    scored_tokens: int,
+    compute_bytes: int,
+    checkpointing: bool,
+    max_tokens_per_microbatch: int | None = None,
 ) -> float:
-    """Activations kept for backward by one micro-batch, plus the LM head's logits for the scored tokens."""
+    """Activations kept for backward by one micro-batch, plus the LM head's logits for the scored tokens.
+
+    ``max_tokens_per_microbatch`` (packed passes) bounds one forward, not the micro-batch: TRL's loss spans the
+    micro-batch, so every forward's kept activations (and the logits' log-softmax) live until its one backward.
+    What it bounds is the layer recomputed under gradient checkpointing: the backward recomputes one layer of one
+    forward at a time."""
     h, d = model.hidden, model.dim
     f = (model.intermediate or 0) * model.experts_per_token
     per_token_layer = 4 * h + 2 * model.heads * d + 2 * model.kv * d + 4 * f
     tokens = sequences * seq_len
     if checkpointing:
-        layers = model.layers * tokens * h + tokens * per_token_layer
+        recomputed = forward_tokens(tokens, seq_len, max_tokens_per_microbatch)
+        layers = model.layers * tokens * h + recomputed * per_token_layer
     else:
         layers = model.layers * tokens * per_token_layer
     logits = sequences * scored_tokens * model.vocab * (compute_bytes + 8)
@@ -359,13 +388,19 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
         sequences, scored = 2 * run.micro_batch, seq_len
     else:
         sequences, scored = run.micro_batch, run.completion_length
-    act = activation_bytes(model, sequences, seq_len, scored, compute, run.gradient_checkpointing)
+    budget = run.max_tokens_per_microbatch
+    act = activation_bytes(model, sequences, seq_len, scored, compute, run.gradient_checkpointing, budget)
+    recomputed = forward_tokens(sequences * seq_len, seq_len, budget)
     add(
         "activations",
         act,
         generation=0.0,
         formula=f"{sequences} seqs x {seq_len} tokens"
-        + (", checkpointed" if run.gradient_checkpointing else ", no checkpointing"),
+        + (
+            (f", checkpointed (one layer of {recomputed} tokens recomputed)" if budget else ", checkpointed")
+            if run.gradient_checkpointing
+            else ", no checkpointing"
+        ),
     )
     if backend in ("zero3", "fsdp2"):
         gathered = gathered_working_set(model, compute, backend)

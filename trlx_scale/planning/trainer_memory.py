@@ -170,6 +170,12 @@ class PlannedMemoryMixin:
             micro_batch=micro_batch,
             num_generations=self._planner_num_generations(),
             gradient_checkpointing=bool(self.args.gradient_checkpointing),
+            # The budget bounds a forward only where the passes are packed (decided at the first pass).
+            max_tokens_per_microbatch=(
+                getattr(self.args, "max_tokens_per_microbatch", None)
+                if getattr(self, "_padding_free_decision", None)
+                else None
+            ),
             precision=precision,
             compute_bytes=2 if (self.args.bf16 or dtype != torch.float32) else 4,
             vllm=uses_engine,

@@ -9,7 +9,9 @@ order (blocking, with a timeout), and ``pop_metrics()``. In numbered steps:
 2. Group ``k`` starts when its scheduled version is on the server (``StalenessSchedule.may_start``), fewer than
    ``max_inflight_tasks`` groups are in flight, and fewer than ``queue_maxsize`` groups wait to be taken. Its request
    names the version (``StalenessSchedule.sampled_at``) and a seed that is a function of the run's seed, that
-   version and ``k``: the group's samples do not depend on timing, so a resumed run regenerates what was in flight.
+   version and ``k``: the group's samples do not depend on timing. A checkpoint saves the groups sampled by
+   versions older than its weights (``admitted_groups``, ``rollout_window``); a resumed run queues them first
+   (``ready``) and samples from the next group on.
 3. The sampler (a vLLM server client, or the simulated engine of the benchmark) returns the completions with the
    behaviour log-probs and the version that really sampled them; a version outside the bound is an error
    (``StalenessSchedule.check``), never a silently off-policy sample.
@@ -30,7 +32,7 @@ import contextlib
 import hashlib
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -109,6 +111,7 @@ class RolloutProducer:
         max_inflight_tasks: int,
         queue_maxsize: int,
         seed_for: Callable[[int, int, Any], int] | None = None,
+        ready: Sequence[ScoredGroup] = (),
         clock: Callable[[], float] = time.monotonic,
     ):
         if max_inflight_tasks < 1:
@@ -130,14 +133,22 @@ class RolloutProducer:
         self.seed_for = seed_for or (lambda index, version, prompt: group_seed(seed, version, index))
         self._clock = clock
 
+        expected = list(range(schedule.start_index, schedule.start_index + len(ready)))
+        if [group.index for group in ready] != expected:
+            raise ValueError(
+                f"the groups queued at the start must be groups {expected[:1]}..{expected[-1:]} in order, got "
+                f"{[group.index for group in ready][:8]}."
+            )
         self._lock = threading.Condition()
         self._published: int | None = None
-        self._next_start = schedule.start_index
+        # A resumed run's checkpoint window (``rollout_window``) is queued first: sampling resumes after it.
+        self._next_start = schedule.start_index + len(ready)
         self._next_take = schedule.start_index
+        self._drain_until = schedule.start_index  # groups below it start even when the queue is full
         self._in_flight = 0
         self._sampling = 0  # requests at the sampler (the server) now: in flight minus those being scored
         self._held = 0  # hold_requests() callers: no request starts while above 0
-        self._ready: dict[int, ScoredGroup] = {}
+        self._ready: dict[int, ScoredGroup] = {group.index: group for group in ready}
         self._error: BaseException | None = None
         self._closed = False
 
@@ -251,9 +262,38 @@ class RolloutProducer:
                 self._held -= 1
             self._poke()
 
+    def admitted_groups(self, timeout: float) -> list[ScoredGroup]:
+        """Every group not taken yet that the published version admits, in order, once each is sampled and scored;
+        they stay queued for ``take``. A checkpoint saves them (``rollout_window``): a resumed run no longer has the
+        weights that sampled them. ``queue_maxsize`` does not hold them back (they are at most ``max_staleness + 1``
+        steps' worth); ``max_inflight_tasks`` does."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            end = self._next_take
+            while self.schedule.may_start(end, self._published):
+                end += 1
+            self._drain_until = end
+        self._poke()
+        with self._lock:
+            wanted = range(self._next_take, end)
+            while not all(index in self._ready for index in wanted):
+                if self._error is not None:
+                    raise RolloutProducerError(f"the rollout producer failed: {self._error}") from self._error
+                if self._closed:
+                    raise RolloutProducerError("the rollout producer was closed.")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = [index for index in wanted if index not in self._ready]
+                    raise TimeoutError(
+                        f"groups {missing[:8]} were not sampled after {timeout:.0f} s (published version "
+                        f"{self._published}): the generation server answers too slowly or not at all."
+                    )
+                self._lock.wait(min(remaining, 1.0))
+            return [self._ready[index] for index in wanted]
+
     @property
     def next_index(self) -> int:
-        """The first group not taken yet: what a checkpoint records (later groups are regenerated on resume)."""
+        """The first group not taken yet."""
         return self._next_take
 
     def close(self) -> None:
@@ -286,7 +326,7 @@ class RolloutProducer:
             and not self._closed
             and not self._held
             and self._in_flight < self.max_inflight_tasks
-            and waiting < self.queue_maxsize
+            and (waiting < self.queue_maxsize or index < self._drain_until)
             and self.schedule.may_start(index, self._published)
         )
 

@@ -21,9 +21,12 @@ policy version):
    version is a function of ``k`` alone and a run is reproducible whatever the timing. A server that holds only its
    latest weights (full-weight sync) samples with a version at least as new: fresher, still inside the bound.
 
-A resumed run starts from one version, its checkpoint's (``oldest_version``): the groups the interrupted run had
-sampled from older versions are sampled from it instead (fresher, inside the bound); from ``max_staleness`` steps
-after the resume on, the schedule is the uninterrupted run's.
+A resumed run continues the interrupted run's schedule: its checkpoint carries the groups sampled by versions older
+than its weights (``rollout_window``), and every later group is sampled by a version the resumed run syncs. Without
+that window (a checkpoint saved with ``save_only_model``, or changed settings) the run starts from one version, its
+checkpoint's (``oldest_version``): the groups the interrupted run had sampled from older versions are sampled from it
+instead (fresher, inside the bound); from ``max_staleness`` steps after the resume on, the schedule is the
+uninterrupted run's.
 
 ``max_staleness=0`` (with ``w=1``) makes ``v = t(k)``: a group starts only once the weights it is trained with exist,
 which is synchronous GRPO.

@@ -30,6 +30,8 @@ colocated engine's (the run's seed, the step, the group's global row and its pro
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -52,6 +54,7 @@ from ..rollout.async_producer import GroupRequest, RolloutProducer, SampledGroup
 from ..rollout.batch import RolloutBatch
 from ..rollout.prompt_stream import RankPromptStream
 from ..rollout.reward_scoring import ConcurrentRewardScorer
+from ..rollout.rollout_window import WINDOW_STATE_NAME, load_window, save_window, window_mismatch
 from ..rollout.staleness import StalenessSchedule
 from .async_grpo_config import AsyncGRPOConfig
 from .grpo_trainer import GRPOTrainer
@@ -66,6 +69,8 @@ if TYPE_CHECKING:
         ProcessorMixin,
         TrainerCallback,
     )
+
+logger = logging.getLogger(__name__)
 
 PROBE_TOKENS = 8  # completion tokens appended to the probe prompt (any tokens: their log-probs are compared)
 
@@ -147,6 +152,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._prompt_lock = threading.Lock()
         self._next_prefetch = 0
         self._schedule: StalenessSchedule | None = None
+        self._resume_window: tuple[dict[str, int], list] | None = None  # read from a checkpoint on resume
 
     # ---------------------------------------------------------------- the engine, built at the first rollout
     def _rollout_engine(self):
@@ -234,15 +240,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
         )
         groups = self._prompt_stream.groups_per_rollout
         start = self.state.global_step
+        oldest, ready = self._continued_window(groups, start * groups)
         self._schedule = StalenessSchedule(
             groups_per_version=groups,
             max_staleness=args.max_staleness,
             weight_sync_steps=args.weight_sync_steps,
             start_index=start * groups,
             start_version=start,
-            oldest_version=start,  # a resumed run's servers hold its checkpoint's weights only
+            oldest_version=oldest,
         )
-        self._next_prefetch = start * groups
+        self._next_prefetch = start * groups + len(ready)
         inflight = args.max_inflight_tasks if args.max_inflight_tasks > 0 else groups * (args.max_staleness + 1)
         self._reward_scorer = ConcurrentRewardScorer(self._async_reward_funcs, max_workers=args.async_reward_workers)
         self._producer_tokenizer = copy.deepcopy(self.processing_class)  # decoding off the trainer's thread
@@ -256,6 +263,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             max_inflight_tasks=inflight,
             queue_maxsize=max(args.queue_maxsize, groups),
             seed_for=self._group_seed,
+            ready=ready,
         )
         producer.start()
         engine = ServerGeneration(
@@ -273,6 +281,65 @@ class AsyncGRPOTrainer(GRPOTrainer):
         )
         engine.phase_timer = self.phase_timer
         return engine
+
+    # ---------------------------------------------------------------- checkpoints: the staleness window
+    def _window_settings(self, groups: int, next_index: int, oldest_version: int) -> dict[str, int]:
+        """What decides the schedule and the samples: a saved window continues a run only if they are the same."""
+        return {
+            "seed": self.args.seed,
+            "world_size": self.accelerator.num_processes,
+            "num_generations": self.num_generations,
+            "groups_per_version": groups,
+            "max_staleness": self.args.max_staleness,
+            "weight_sync_steps": self.args.weight_sync_steps,
+            "next_index": next_index,
+            "oldest_version": oldest_version,
+        }
+
+    def _continued_window(self, groups: int, start_index: int) -> tuple[int, list]:
+        """The oldest version and the groups queued first: a resumed run continues its checkpoint's window (the
+        interrupted run's schedule, bit for bit); without one (a fresh run, a checkpoint saved with
+        save_only_model, changed settings) the servers start from the checkpoint's weights alone."""
+        start = start_index // groups
+        if self._resume_window is None:
+            return start, []
+        saved, window = self._resume_window
+        self._resume_window = None
+        why = window_mismatch(saved, self._window_settings(groups, start_index, saved["oldest_version"]))
+        if why is not None:
+            logger.warning(
+                "The checkpoint's rollout window does not fit this run (%s): the groups the interrupted run had "
+                "sampled from older versions are sampled again from the checkpoint's weights.",
+                why,
+            )
+            return start, []
+        return int(saved["oldest_version"]), window
+
+    def _save_extra_state(self, checkpoint_dir: str) -> None:
+        """Each rank saves its staleness window: the groups sampled (or admitted) by versions older than the
+        checkpoint's weights, waited for first (``rollout.rollout_window``)."""
+        super()._save_extra_state(checkpoint_dir)
+        engine = self.vllm_generation
+        if engine is None:  # no rollout yet: nothing was sampled
+            return
+        groups = engine.producer.admitted_groups(timeout=self.args.request_timeout)
+        settings = self._window_settings(
+            self._schedule.groups_per_version, engine.producer.next_index, self._schedule.oldest_version
+        )
+        path = os.path.join(checkpoint_dir, WINDOW_STATE_NAME.format(self.accelerator.process_index))
+        save_window(path, groups, settings)
+
+    def _load_extra_state(self, checkpoint_dir: str) -> None:
+        super()._load_extra_state(checkpoint_dir)
+        path = os.path.join(checkpoint_dir, WINDOW_STATE_NAME.format(self.accelerator.process_index))
+        if os.path.isfile(path):
+            self._resume_window = load_window(path)
+        elif self.args.max_staleness > 0:
+            logger.warning(
+                "%s is missing: the groups the interrupted run had sampled from older versions are sampled again "
+                "from the checkpoint's weights (inside the bound, not bit for bit the interrupted run).",
+                path,
+            )
 
     def _verify_tolerance(self) -> float:
         if self.args.weight_sync_verify_tolerance is not None:

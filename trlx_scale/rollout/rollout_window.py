@@ -1,0 +1,96 @@
+"""The staleness window a checkpoint carries: the groups already sampled by policy versions older than its weights.
+
+With ``max_staleness`` s > 0 the groups trained in the s steps after checkpoint ``N`` were sampled (or admitted) by
+versions before ``N``, whose weights a resumed run no longer has. Regenerating them from the checkpoint's weights
+would be inside the bound but not what the interrupted run trained on. So the checkpoint saves them: at save time the
+producer samples and scores every group the published version admits (``RolloutProducer.admitted_groups``), and
+each rank writes its own groups here; a resumed run queues them before anything new is sampled, and continues the
+interrupted run's schedule from there. Those groups were needed anyway (they are the next ones trained), so the save
+waits for work that is not wasted.
+
+The file holds tensors and plain values only (``torch.load(weights_only=True)``): completion token ids, the
+behaviour log-probs in float64 (the server's values, bit for bit), the rewards, and per group its index, request
+version, seed, sampled version, staleness and prompt ids. The settings that decide the schedule are saved beside
+them; a run whose settings differ regenerates the window instead (``window_mismatch``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..atomic_files import replace_atomically
+from .async_producer import GroupRequest, SampledGroup, ScoredGroup
+
+WINDOW_STATE_NAME = "async_rollout_window_rank{}.pt"
+FORMAT_VERSION = 1
+
+
+def save_window(path: str, groups: list[ScoredGroup], settings: dict[str, int]) -> None:
+    """Write ``groups`` (in index order) and the schedule ``settings`` to ``path`` atomically."""
+    completions = [ids for group in groups for ids in group.sampled.completion_ids]
+    logprobs = [values for group in groups for values in group.sampled.logprobs]
+    state: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "settings": dict(settings),
+        "indices": [group.index for group in groups],
+        "request_versions": [group.request.version for group in groups],
+        "seeds": [group.request.seed for group in groups],
+        "sampled_versions": [group.sampled.version for group in groups],
+        "staleness": [group.staleness for group in groups],
+        "prompt_ids": [list(group.sampled.prompt_ids or []) for group in groups],
+        "group_sizes": [len(group.sampled.completion_ids) for group in groups],
+        "lengths": torch.tensor([len(ids) for ids in completions], dtype=torch.long),
+        "completion_ids": torch.tensor([token for ids in completions for token in ids], dtype=torch.long),
+        "logprobs": torch.tensor([value for values in logprobs for value in values], dtype=torch.float64),
+        "rewards": [
+            torch.tensor(
+                [[math.nan if value is None else value for value in row] for row in group.rewards], dtype=torch.float64
+            )
+            for group in groups
+        ],
+    }
+    replace_atomically(path, lambda temporary: torch.save(state, temporary))
+
+
+def load_window(path: str) -> tuple[dict[str, int], list[ScoredGroup]]:
+    """The settings and the groups ``save_window`` wrote."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: unknown rollout window format {state.get('format')!r} (expected {FORMAT_VERSION}).")
+    lengths = state["lengths"].tolist()
+    ids = state["completion_ids"].split(lengths)
+    logprobs = state["logprobs"].split(lengths)
+    groups, row = [], 0
+    for position, index in enumerate(state["indices"]):
+        size = state["group_sizes"][position]
+        prompt_ids = state["prompt_ids"][position]
+        request = GroupRequest(
+            index=index,
+            prompt={"prompt_ids": prompt_ids},
+            num_generations=size,
+            version=state["request_versions"][position],
+            seed=state["seeds"][position],
+        )
+        sampled = SampledGroup(
+            completion_ids=[ids[row + i].tolist() for i in range(size)],
+            logprobs=[logprobs[row + i].tolist() for i in range(size)],
+            version=state["sampled_versions"][position],
+            prompt_ids=prompt_ids,
+        )
+        rewards = state["rewards"][position].tolist()
+        groups.append(ScoredGroup(request, sampled, rewards, state["staleness"][position]))
+        row += size
+    return state["settings"], groups
+
+
+def window_mismatch(saved: dict[str, int], current: dict[str, int]) -> str | None:
+    """Why a saved window cannot continue this run's schedule (a setting that differs), or None if it can."""
+    for name in sorted(set(saved) | set(current)):
+        if name == "oldest_version":  # the interrupted run's, continued as it is
+            continue
+        if saved.get(name) != current.get(name):
+            return f"{name} was {saved.get(name)} when it was saved, is {current.get(name)} now"
+    return None
