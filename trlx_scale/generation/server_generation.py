@@ -8,7 +8,9 @@
    weights reloaded in place. Every update is verified, not trusted (verl 7495: an adapter never delivered, and the
    rollouts sampled the initial policy for the whole run): the servers' log-probs of a probe sequence must match
    the trainer's own by the new weights within ``verify_tolerance``, else the run stops with an error. Then the
-   version is published to the producer, and the adapters no group can still ask for are unloaded.
+   version is published to the producer, and the adapters no group can still ask for are unloaded. A full-weight
+   reload holds every rank's requests from before it until every rank knows the new version, so no sample carries
+   the tag of weights that did not sample it.
 2. Completions (``generate``): TRL's call for a rollout takes the producer's next groups, checks that their prompts
    are the ones TRL tokenized, and returns them in TRL's shape. The groups stay available (``last_groups``) for the
    rewards the producer computed.
@@ -96,12 +98,13 @@ class ServerGeneration:
             return False  # between syncs: the servers keep the last synced version (the first is always sent)
         with self.phase_timer.phase("weight_sync"):
             began = time.perf_counter()
-            paused = self._send(version)
-            with self._probe_alone():
-                self._verify(version)
-            self.accelerator.wait_for_everyone()
-            if not self.accelerator.is_main_process:  # the main process updated the servers for every rank
-                self.client.record_update(version, self._version_dirs.get(version))
+            with self._hold_for_reload():
+                paused = self._send(version)
+                with self._probe_alone():
+                    self._verify(version)
+                self.accelerator.wait_for_everyone()
+                if not self.accelerator.is_main_process:  # the main process updated the servers for every rank
+                    self.client.record_update(version, self._version_dirs.get(version))
             self.served_version = version
             if self.before_publish is not None:
                 self.before_publish(version)
@@ -147,6 +150,19 @@ class ServerGeneration:
             else:
                 paused, _ = self.client.reload_weights(version, self._version_dirs[version])
         return paused
+
+    @contextlib.contextmanager
+    def _hold_for_reload(self):
+        """Full weights: no rank's producer sends a request from before the reload until every rank knows the new
+        version. A server reloads in place, so a request's version is the one its client knew when sending it; one
+        sent while the server is paused for the reload would wait there, be sampled by the new weights, and carry
+        the old version's tag. Adapters need no hold: each request names its version's adapter."""
+        if self.sync_mode == "lora":
+            yield
+            return
+        with self.producer.hold_requests(timeout=self.request_timeout):
+            self.accelerator.wait_for_everyone()  # every rank's requests have come back
+            yield
 
     @contextlib.contextmanager
     def _probe_alone(self):
