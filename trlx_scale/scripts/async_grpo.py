@@ -26,8 +26,9 @@ from trlx_scale.tasks.example_runtime import ROLLOUT_EXAMPLE_DEFAULTS, Example, 
 
 def async_grpo_defaults(parsed) -> dict:
     """GRPO's example defaults, generating on a server, with no KL term and one step of overlap: on this task's
-    short, even completions 1, 2 and 4 are equally fast on a 2-core machine with a 1 s reward (1.46x, 1.47x,
-    1.41x the synchronous trainer, docs/benchmarks.md), and 1 trains on the freshest samples."""
+    short, even completions 1, 2 and 4 are as fast as each other within the noise on a 2-core machine with a 1 s
+    reward (1.37x, 1.40x, 1.43x the synchronous trainer, six repeats), and 1 trains on the freshest samples (it
+    loses the least held-out accuracy against sync: docs/benchmarks.md)."""
     return {
         **ROLLOUT_EXAMPLE_DEFAULTS,
         "output_dir": "outputs/async-grpo-addition",
