@@ -27,6 +27,8 @@ NEW_METHODS = {
         "_group_seed",
         "_score_group",
         "_log_behaviour",
+        "_window_settings",
+        "_continued_window",
         "close_generation",
     },
     GRPOTrainer: {
