@@ -197,20 +197,15 @@ class RolloutProducer:
         deadline = time.monotonic() + timeout
         with self._lock:
             wanted = range(self._next_take, self._next_take + count)
-            while not all(index in self._ready for index in wanted):
-                if self._error is not None:
-                    raise RolloutProducerError(f"the rollout producer failed: {self._error}") from self._error
-                if self._closed:
-                    raise RolloutProducerError("the rollout producer was closed.")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = [index for index in wanted if index not in self._ready]
-                    raise TimeoutError(
-                        f"no rollout for groups {missing[:8]} after {timeout:.0f} s (published version "
-                        f"{self._published}, {self._in_flight} groups in flight): the generation server answers too "
-                        "slowly or not at all. Check the server, or raise request_timeout."
-                    )
-                self._lock.wait(min(remaining, 1.0))
+            self._wait_until_ready(
+                wanted,
+                deadline,
+                lambda missing: (
+                    f"no rollout for groups {missing[:8]} after {timeout:.0f} s (published version "
+                    f"{self._published}, {self._in_flight} groups in flight): the generation server answers too slowly "
+                    "or not at all. Check the server, or raise request_timeout."
+                ),
+            )
             groups = [self._ready.pop(index) for index in wanted]
             self._next_take += count
             self._trainer_idle += self._clock() - began
@@ -276,20 +271,28 @@ class RolloutProducer:
         self._poke()
         with self._lock:
             wanted = range(self._next_take, end)
-            while not all(index in self._ready for index in wanted):
-                if self._error is not None:
-                    raise RolloutProducerError(f"the rollout producer failed: {self._error}") from self._error
-                if self._closed:
-                    raise RolloutProducerError("the rollout producer was closed.")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = [index for index in wanted if index not in self._ready]
-                    raise TimeoutError(
-                        f"groups {missing[:8]} were not sampled after {timeout:.0f} s (published version "
-                        f"{self._published}): the generation server answers too slowly or not at all."
-                    )
-                self._lock.wait(min(remaining, 1.0))
+            self._wait_until_ready(
+                wanted,
+                deadline,
+                lambda missing: (
+                    f"groups {missing[:8]} were not sampled after {timeout:.0f} s (published version "
+                    f"{self._published}): the generation server answers too slowly or not at all."
+                ),
+            )
             return [self._ready[index] for index in wanted]
+
+    def _wait_until_ready(self, wanted: range, deadline: float, timed_out: Callable[[list[int]], str]) -> None:
+        """With the lock held: block until every group of ``wanted`` is ready. The producer's error, its closing,
+        or the deadline (``timed_out`` words the message from the missing groups) raise instead."""
+        while not all(index in self._ready for index in wanted):
+            if self._error is not None:
+                raise RolloutProducerError(f"the rollout producer failed: {self._error}") from self._error
+            if self._closed:
+                raise RolloutProducerError("the rollout producer was closed.")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(timed_out([index for index in wanted if index not in self._ready]))
+            self._lock.wait(min(remaining, 1.0))
 
     @property
     def next_index(self) -> int:
