@@ -55,6 +55,9 @@ def test_two_processes_train_packed_like_padded(tmp_path, config, ports):
         # forward with gradients (passes.packed), the no-grad passes still cut.
         forwards = ours["batch/forwards_per_microbatch"]
         assert forwards == 1 if "zero3" in config else forwards > 1
+        # recompute_forwards='auto' under the budget: DDP's several forwards are recomputed in the backward (one
+        # reduction per parameter still: the backward is one autograd pass); ZeRO-3's one forward is not.
+        assert ours["batch/recomputed_forwards"] == (0 if "zero3" in config else forwards)
         # balance_ranks='auto' deals the packed run's samples to the ranks by cost where that lowers the costliest
         # rank's cost (the padded run keeps TRL's placement): the loss and the gradient are the same wherever a
         # sample sits (a run where samples really move: tests/test_rank_balance.py).

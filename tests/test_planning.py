@@ -1,6 +1,7 @@
 """The memory planner's formulas against hand counts, the recommendation, the GPU split, and its bad-input errors."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -101,10 +102,35 @@ def test_a_token_budget_bounds_the_recomputed_layer_only():
     assert activation_bytes(shape, 4, 10, 4, 2, True, max_tokens_per_microbatch=400) == (kept + 40 * 960) * 2 + logits
     unbounded = activation_bytes(shape, 4, 10, 4, 2, False)
     assert activation_bytes(shape, 4, 10, 4, 2, False, max_tokens_per_microbatch=12) == unbounded
-    roles = {r.role: r for r in role_memory(_run(micro_batch=8, max_tokens_per_microbatch=12), Layout(), 80).roles}
+    run = _run(micro_batch=8, max_tokens_per_microbatch=12, recompute_forwards="false")
+    roles = {r.role: r for r in role_memory(run, Layout(), 80).roles}
     full = {r.role: r for r in role_memory(_run(micro_batch=8), Layout(), 80).roles}
     assert full["activations"].training - roles["activations"].training == (80 - 12) * 960 * 2
     assert "one layer of 12 tokens recomputed" in roles["activations"].formula
+
+
+def test_recomputed_forwards_bound_the_activations_and_logits_by_the_budget():
+    """recompute_forwards: the micro-batch keeps each scored token's log-prob and entropy (8 bytes) and the backward
+    holds one forward's graph at a time: 4 sequences x 10 tokens in forwards of 12 tokens hold 12 tokens' layer
+    inputs and logits (12/40 of the 16 scored tokens), not 40. 'auto' plans it where the trainer runs it (not under
+    ZeRO-3 or FSDP2, which refuse it)."""
+    shape = ModelShape(**TINY)
+    logits = 16 * 12 / 40 * 100 * (2 + 8)
+    checkpointed = activation_bytes(shape, 4, 10, 4, 2, True, 12, recompute_forwards=True)
+    assert checkpointed == (2 * 12 * 64 + 12 * 960) * 2 + logits + 16 * 8
+    assert activation_bytes(shape, 4, 10, 4, 2, False, 12, recompute_forwards=True) == 2 * 12 * 960 * 2 + logits + 128
+    # Without a budget there is one forward: nothing is recomputed, whatever the setting.
+    assert activation_bytes(shape, 4, 10, 4, 2, True, None, recompute_forwards=True) == activation_bytes(
+        shape, 4, 10, 4, 2, True
+    )
+    run = _run(micro_batch=8, max_tokens_per_microbatch=12)  # recompute_forwards="auto"
+    kept = {r.role: r for r in role_memory(replace(run, recompute_forwards="false"), Layout(), 80).roles}
+    recomputed = {r.role: r for r in role_memory(run, Layout(), 80).roles}
+    assert recomputed["activations"].training < kept["activations"].training
+    assert "forwards of 12 tokens recomputed one at a time" in recomputed["activations"].formula
+    zero3 = role_memory(replace(run, recompute_forwards="true"), Layout(backend="zero3"), 80)
+    assert "one layer of 12 tokens recomputed" in {r.role: r for r in zero3.roles}["activations"].formula
+    assert any("refuses it under zero3" in note for note in zero3.notes)
 
 
 def test_gathered_working_set():
@@ -195,6 +221,7 @@ def test_balanced_split_by_hand():
         (lambda: plan(_run(vllm_tensor_parallel_size=3), resolve_accelerator("h100", None), 1, 8), "--vllm-tp"),
         (lambda: role_memory(_run(algo="a2c"), Layout(), 80), "--algo"),
         (lambda: role_memory(_run(max_tokens_per_microbatch=0), Layout(), 80), "--max-tokens-per-microbatch"),
+        (lambda: role_memory(_run(recompute_forwards="yes"), Layout(), 80), "--recompute-forwards"),
         (lambda: role_memory(_run(), Layout("ddp", True), 80), "--offload"),
         (lambda: role_memory(_run(algo="ppo", critic_mode="shared_base"), Layout(), 80), "--lora-rank"),
         (lambda: ModelShape(params=1e6, layers=32, hidden=4096, heads=32).complete(), "--params"),

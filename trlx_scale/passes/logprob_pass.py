@@ -48,7 +48,8 @@ class PassResult:
     ``chunk_token_ratios``: the same per chunk the pass ran (the ``shared_prefix/token_ratio`` metric);
     ``processed_tokens``: token positions the forwards ran, ``padding_tokens``: those of them no sample owns (padding,
     a packed row's filler: the ``batch/pad_frac`` metric); ``forwards``: model calls; ``oversize_samples``: samples longer than
-    the packing budget (each alone in its row); ``row_tokens``: the width of the rows the forwards ran."""
+    the packing budget (each alone in its row); ``row_tokens``: the width of the rows the forwards ran;
+    ``recomputed_forwards``: forwards whose activations the backward recomputes (``recompute_forwards``)."""
 
     logps: torch.Tensor
     entropies: torch.Tensor | None
@@ -61,6 +62,7 @@ class PassResult:
     forwards: int = 1
     oversize_samples: int = 0
     row_tokens: int = 0
+    recomputed_forwards: int = 0
 
 
 class LogProbPass(Protocol):

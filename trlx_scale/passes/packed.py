@@ -16,9 +16,11 @@ packed rows in one forward (``one_forward_with_grad``), the rows still as narrow
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
+from .forward_recompute import recomputes, run_forward
 from .logprob_pass import PassRequest, PassResult
 from .packed_rows import PackedRows, forward_token_limit, lockstep_dummy
 
@@ -32,6 +34,8 @@ class PackedPass:
     one_forward_with_grad: run a pass with gradients as one forward (see the module docstring).
     coefficient: the model's ``attention_cost_coefficient``: rows of the cheapest width (``choose_row_width``);
         None: rows as wide as the longest sample.
+    recompute: ``recompute_forwards``: a pass with gradients and several forwards recomputes each in the backward
+        instead of keeping its activations (``forward_recompute``).
     """
 
     name = "packed"
@@ -44,7 +48,9 @@ class PackedPass:
         max_tokens: int | None = None,
         one_forward_with_grad: bool = False,
         coefficient: float | None = None,
+        recompute: bool = False,
     ):
+        self._recompute = recompute
         self._one_forward_with_grad = one_forward_with_grad
         self._coefficient = coefficient
         self._padded = padded
@@ -66,23 +72,33 @@ class PackedPass:
             forward_tokens=forward_tokens,
             coefficient=self._coefficient,
         )
-        logps, entropies = [], []
-        for forward in rows.forwards:
+        # The ranks agree on the forward count first (sharded parameters: dummies keep them in lockstep), so they
+        # agree on the recompute too: its forwards in the backward gather the weights as the first ones did.
+        forwards = self._agree_max(len(rows.forwards))
+        recompute = recomputes(self._recompute, forwards)
+
+        def forward_pass(input_ids, position_ids, labels):
             with self._autocast():
                 outputs = model(
-                    input_ids=forward.input_ids,
-                    position_ids=forward.position_ids,
-                    labels=forward.labels,
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    labels=labels,
                     fused_lm_head=True,
                     use_cache=False,  # a cache turns transformers' packing detection off
                 )
-            logps.append(outputs.log_probs)
-            if request.compute_entropy:
-                entropies.append(outputs.entropy)
+            return outputs.log_probs, outputs.entropy if request.compute_entropy else None
+
+        logps, entropies = [], []
+        for forward in rows.forwards:
+            log_probs, entropy = run_forward(
+                forward_pass, forward.input_ids, forward.position_ids, forward.labels, recompute=recompute
+            )
+            logps.append(log_probs)
+            entropies.append(entropy)
         result_logps = rows.completion_values(logps)
-        dummies = self._agree_max(len(rows.forwards)) - len(rows.forwards)
-        for _ in range(dummies):
-            result_logps = result_logps + 0.0 * lockstep_dummy(model, ids, self._autocast)
+        for _ in range(forwards - len(rows.forwards)):
+            dummy = run_forward(partial(lockstep_dummy, model, autocast=self._autocast), ids, recompute=recompute)
+            result_logps = result_logps + 0.0 * dummy
         return PassResult(
             logps=result_logps,
             entropies=rows.completion_values(entropies) if request.compute_entropy else None,
@@ -93,4 +109,5 @@ class PackedPass:
             forwards=len(rows.forwards),
             oversize_samples=rows.oversize,
             row_tokens=rows.row_tokens,
+            recomputed_forwards=len(rows.forwards) if recompute else 0,
         )

@@ -12,11 +12,13 @@ A call with anything else (image inputs, router logits for a MoE aux loss, no fu
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from trl.trainer.utils import FusedCausalLMOutput
 
+from .forward_recompute import recomputes, run_forward
 from .packed_rows import PackedRows, lockstep_dummy
 
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -28,8 +30,11 @@ class PackedModelCall:
     model: the (wrapped) model with TRL's fused LM head.
     agree_max: the largest of the ranks' values (forward counts under sharded parameters; see ``passes.packed``).
     max_tokens: ``max_tokens_per_microbatch`` (None: rows as wide as the longest sample, all in one forward).
-    on_pass: called with each packed call's ``PackedRows`` (the trainer's metrics).
+    on_pass: called with each packed call's ``PackedRows`` and how many of its forwards the backward recomputes
+        (the trainer's metrics).
     coefficient: the model's ``attention_cost_coefficient``: rows of the cheapest width (``choose_row_width``).
+    recompute: ``recompute_forwards``: a call with gradients and several forwards recomputes each in the backward
+        (``forward_recompute``).
     """
 
     def __init__(
@@ -37,10 +42,12 @@ class PackedModelCall:
         model: torch.nn.Module,
         agree_max: Callable[[int], int],
         max_tokens: int | None = None,
-        on_pass: Callable[[PackedRows], None] | None = None,
+        on_pass: Callable[[PackedRows, int], None] | None = None,
         coefficient: float | None = None,
+        recompute: bool = False,
     ):
         self.model = model
+        self._recompute = recompute
         self._coefficient = coefficient
         self._agree_max = agree_max
         self._max_tokens = max_tokens
@@ -58,24 +65,34 @@ class PackedModelCall:
             forward_tokens=self._max_tokens,
             coefficient=self._coefficient,
         )
-        per_forward: dict[str, list[torch.Tensor]] = {field: [] for field in PER_TOKEN_FIELDS}
-        for forward in rows.forwards:
+        forwards = self._agree_max(len(rows.forwards))  # first: the ranks then agree on the recompute
+        recompute = recomputes(self._recompute, forwards)
+
+        def forward_pass(input_ids, position_ids, labels):
             outputs = self.model(
-                input_ids=forward.input_ids,
-                position_ids=forward.position_ids,
-                labels=forward.labels,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                labels=labels,
                 fused_lm_head=True,
                 use_cache=False,  # a cache turns transformers' packing detection off
             )
-            for field in PER_TOKEN_FIELDS:
-                per_forward[field].append(getattr(outputs, field))
+            return tuple(getattr(outputs, field) for field in PER_TOKEN_FIELDS)
+
+        per_forward: dict[str, list[torch.Tensor]] = {field: [] for field in PER_TOKEN_FIELDS}
+        for forward in rows.forwards:
+            outputs = run_forward(
+                forward_pass, forward.input_ids, forward.position_ids, forward.labels, recompute=recompute
+            )
+            for field, value in zip(PER_TOKEN_FIELDS, outputs, strict=True):
+                per_forward[field].append(value)
         # Each per-token field the head computed (log-probs always; entropies etc. as add_fused_lm_head asked).
         fields = {
             field: rows.shifted_values(values) if values[0] is not None else None
             for field, values in per_forward.items()
         }
-        for _ in range(self._agree_max(len(rows.forwards)) - len(rows.forwards)):
-            fields["log_probs"] = fields["log_probs"] + 0.0 * lockstep_dummy(self.model, ids)
+        for _ in range(forwards - len(rows.forwards)):
+            dummy = run_forward(partial(lockstep_dummy, self.model), ids, recompute=recompute)
+            fields["log_probs"] = fields["log_probs"] + 0.0 * dummy
         if self._on_pass is not None:
-            self._on_pass(rows)
+            self._on_pass(rows, len(rows.forwards) if recompute else 0)
         return FusedCausalLMOutput(**fields, label_mask=rows.scored_grid[:, 1:])

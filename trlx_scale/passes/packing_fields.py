@@ -32,14 +32,29 @@ class PackingFields:
     max_tokens_per_microbatch: int | None = field(
         default=None,
         metadata={
-            "help": "With padding_free: the most tokens of one packed row and of one forward, which bounds a "
-            "forward's transient memory (its attention scores, the LM head's tiles). The loss pass still keeps every "
-            "forward's activations until the micro-batch's one backward (TRL's loss spans the micro-batch), so the "
-            "micro-batch's activations are bounded by per_device_train_batch_size, not by this. A sample longer than "
-            "this gets a row of its own (counted in batch/oversize_samples, never dropped). Unset: packed rows take "
-            "the width that costs least by the model's shape (at least the micro-batch's longest sample, at most "
-            "twice it: a slightly wider row often holds the samples in one row fewer) and a forward holds at most "
-            "what TRL's padded chunk held (per_device_train_batch_size rows of the padded width)."
+            "help": "With padding_free: the most tokens of one packed row and of one forward. With "
+            "recompute_forwards (on by default once this is set) it bounds the loss pass's memory too: a "
+            "micro-batch keeps one forward's activations, not all of them (verl's ppo_max_token_len_per_gpu). A "
+            "sample longer than this gets a row of its own (counted in batch/oversize_samples, never dropped). "
+            "Unset: packed rows take the width that costs least by the model's shape (at least the micro-batch's "
+            "longest sample, at most twice it: a slightly wider row often holds the samples in one row fewer) and a "
+            "forward holds at most what TRL's padded chunk held (per_device_train_batch_size rows of the padded "
+            "width)."
+        },
+    )
+    recompute_forwards: str = field(
+        default="auto",
+        metadata={
+            "help": "With padding_free: when a loss pass runs several packed forwards, keep none of their "
+            "activations for the backward; the backward re-runs each forward (non-reentrant activation "
+            "checkpointing around the whole forward), one at a time. TRL's loss spans the micro-batch, so without "
+            "this every forward's activations and LM-head tensors live until the micro-batch's backward. The "
+            "gradient is the same; the cost is one more forward per micro-batch. 'auto' (default): on where "
+            "max_tokens_per_microbatch is set, since that budget then is a memory bound as in verl (measured: "
+            "docs/benchmarks.md, 'Recomputed forwards'), off without it (a forward then holds the whole "
+            "micro-batch, so there is nothing to free); 'true': on, or an error when the passes are not packed; "
+            "'false': every forward's graph is kept until the backward.",
+            "choices": list(PADDING_FREE_SETTINGS),
         },
     )
 
@@ -50,6 +65,13 @@ class PackingFields:
             raise ValueError(
                 f"padding_free must be one of {PADDING_FREE_SETTINGS}, got {self.padding_free!r}: 'auto' packs where "
                 "the model supports it."
+            )
+        if isinstance(self.recompute_forwards, bool):
+            self.recompute_forwards = "true" if self.recompute_forwards else "false"
+        if self.recompute_forwards not in PADDING_FREE_SETTINGS:
+            raise ValueError(
+                f"recompute_forwards must be one of {PADDING_FREE_SETTINGS}, got {self.recompute_forwards!r}: 'auto' "
+                "recomputes the packed forwards where max_tokens_per_microbatch is set."
             )
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
             raise ValueError(

@@ -22,9 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from .forward_recompute import recomputes, run_forward
 from .logprob_pass import PassRequest, PassResult
 from .micro_batch_plan import choose_row_width, plan_micro_batches
 from .packed_rows import forward_token_limit, lockstep_dummy, scatter_to_grid
@@ -152,6 +154,7 @@ class PrefixTreePass:
         coefficient: the model's ``attention_cost_coefficient``: rows of the cheapest width (``choose_row_width``).
         fallback: the pass for requests this one does not cover (image inputs, a router loss).
         one_forward_with_grad: run a pass with gradients as one forward (see ``passes.packed``).
+        recompute: ``recompute_forwards``: recompute each forward in the backward (``forward_recompute``).
     """
 
     name = "prefix_tree"
@@ -164,7 +167,9 @@ class PrefixTreePass:
         max_tokens: int | None = None,
         one_forward_with_grad: bool = False,
         coefficient: float | None = None,
+        recompute: bool = False,
     ):
+        self._recompute = recompute
         self._one_forward_with_grad = one_forward_with_grad
         self._coefficient = coefficient
         self._fallback = fallback
@@ -187,9 +192,10 @@ class PrefixTreePass:
             ids, mask, keep, max_tokens=self._max_tokens, forward_tokens=forward_tokens, coefficient=self._coefficient
         )
         eager = attention_implementation(model) == "eager"
-        logps, entropies = [], []
-        for forward in rows.forwards:
-            attention = forward.attention_mask
+        forwards = self._agree_max(len(rows.forwards))  # first: the ranks then agree on the recompute (passes.packed)
+        recompute = recomputes(self._recompute, forwards)
+
+        def forward_pass(input_ids, attention, position_ids, labels):
             with self._autocast():
                 if eager:  # eager attention adds its mask to the scores
                     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
@@ -197,19 +203,31 @@ class PrefixTreePass:
                         ~attention, torch.finfo(dtype).min
                     )
                 outputs = model(
-                    input_ids=forward.input_ids,
+                    input_ids=input_ids,
                     attention_mask=attention,
-                    position_ids=forward.position_ids,
-                    labels=forward.labels,
+                    position_ids=position_ids,
+                    labels=labels,
                     fused_lm_head=True,
                     use_cache=False,
                 )
-            logps.append(outputs.log_probs)
-            if request.compute_entropy:
-                entropies.append(outputs.entropy)
+            return outputs.log_probs, outputs.entropy if request.compute_entropy else None
+
+        logps, entropies = [], []
+        for forward in rows.forwards:
+            log_probs, entropy = run_forward(
+                forward_pass,
+                forward.input_ids,
+                forward.attention_mask,
+                forward.position_ids,
+                forward.labels,
+                recompute=recompute,
+            )
+            logps.append(log_probs)
+            entropies.append(entropy)
         result = rows.completion_values(logps)
-        for _ in range(self._agree_max(len(rows.forwards)) - len(rows.forwards)):
-            result = result + 0.0 * lockstep_dummy(model, ids, self._autocast)
+        for _ in range(forwards - len(rows.forwards)):
+            dummy = run_forward(partial(lockstep_dummy, model, autocast=self._autocast), ids, recompute=recompute)
+            result = result + 0.0 * dummy
         duplicated = float(ids.numel())
         return PassResult(
             logps=result,
@@ -222,6 +240,7 @@ class PrefixTreePass:
             padding_tokens=float(rows.processed_tokens - rows.owned_tokens),
             forwards=len(rows.forwards),
             row_tokens=max(f.input_ids.size(1) for f in rows.forwards),
+            recomputed_forwards=len(rows.forwards) if recompute else 0,
         )
 
 

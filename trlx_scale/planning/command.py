@@ -70,8 +70,16 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
     run.add_argument(
         "--max-tokens-per-microbatch",
         type=int,
-        help="packed (padding_free) passes: the most tokens of one forward (the field of that name); with gradient "
-        "checkpointing it bounds the layer recomputed in the backward",
+        help="packed (padding_free) passes: the most tokens of one forward (the field of that name); with "
+        "--recompute-forwards (the default) it bounds the activations and logits a micro-batch holds, else only the "
+        "layer recomputed under gradient checkpointing",
+    )
+    run.add_argument(
+        "--recompute-forwards",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="the field of that name: 'auto' recomputes the packed forwards in the backward where "
+        "--max-tokens-per-microbatch is set (not under zero3/fsdp2, where the trainer refuses it)",
     )
     run.add_argument("--precision", choices=PRECISIONS, default="bf16-master", help="bf16-master: the presets")
 
@@ -147,6 +155,7 @@ def run_spec_from_args(args: argparse.Namespace, model: ModelShape) -> RunSpec:
         num_generations=args.num_generations,
         gradient_checkpointing=not args.no_gradient_checkpointing,
         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        recompute_forwards=args.recompute_forwards,
         precision=args.precision,
         vllm=not args.no_vllm and args.algo != "dpo",  # offline DPO generates nothing
         vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,

@@ -91,6 +91,9 @@ class RunSpec:
     # Packed (padding-free) passes: the most tokens of one forward (max_tokens_per_microbatch); None: one forward
     # per micro-batch (padded, or packed without a budget).
     max_tokens_per_microbatch: int | None = None
+    # recompute_forwards: the packed forwards recomputed in the backward ("auto"/"true": where the budget is set and
+    # the backend allows it, recomputes_forwards; "false": every forward's graph kept until the backward).
+    recompute_forwards: str = "auto"
 
     def validate(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -110,6 +113,10 @@ class RunSpec:
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
             raise ValueError(
                 f"--max-tokens-per-microbatch must be a positive number of tokens, got {self.max_tokens_per_microbatch}."
+            )
+        if self.recompute_forwards not in ("auto", "true", "false"):
+            raise ValueError(
+                f"--recompute-forwards must be 'auto', 'true' or 'false', got {self.recompute_forwards!r}."
             )
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(
@@ -298,24 +305,38 @@ def activation_bytes(
     compute_bytes: int,
     checkpointing: bool,
     max_tokens_per_microbatch: int | None = None,
+    recompute_forwards: bool = False,
 ) -> float:
     """Activations kept for backward by one micro-batch, plus the LM head's logits for the scored tokens.
 
-    ``max_tokens_per_microbatch`` (packed passes) bounds one forward, not the micro-batch: TRL's loss spans the
-    micro-batch, so every forward's kept activations (and the logits' log-softmax) live until its one backward.
-    What it bounds is the layer recomputed under gradient checkpointing: the backward recomputes one layer of one
-    forward at a time."""
+    ``max_tokens_per_microbatch`` (packed passes) bounds one forward. Alone it bounds the layer recomputed under
+    gradient checkpointing (the backward recomputes one layer of one forward at a time), not what the micro-batch
+    keeps: TRL's loss spans the micro-batch, so every forward's activations and logits live until its one backward.
+    With ``recompute_forwards`` the micro-batch keeps only each scored token's log-prob and entropy (fp32) and the
+    backward holds one forward's graph at a time: the budget bounds the layers' activations and the logits."""
     h, d = model.hidden, model.dim
     f = (model.intermediate or 0) * model.experts_per_token
     per_token_layer = 4 * h + 2 * model.heads * d + 2 * model.kv * d + 4 * f
     tokens = sequences * seq_len
+    forward = forward_tokens(tokens, seq_len, max_tokens_per_microbatch)
+    recomputing = recompute_forwards and max_tokens_per_microbatch is not None
+    held = forward if recomputing else tokens  # the tokens whose graph is alive at once
     if checkpointing:
-        recomputed = forward_tokens(tokens, seq_len, max_tokens_per_microbatch)
-        layers = model.layers * tokens * h + recomputed * per_token_layer
+        layers = model.layers * held * h + forward * per_token_layer
     else:
-        layers = model.layers * tokens * per_token_layer
-    logits = sequences * scored_tokens * model.vocab * (compute_bytes + 8)
-    return layers * compute_bytes + logits
+        layers = model.layers * held * per_token_layer
+    scored = sequences * scored_tokens
+    logits = scored * held / tokens * model.vocab * (compute_bytes + 8)
+    outputs = scored * 8 if recomputing else 0  # the forwards' log-probs and entropies, kept for the loss
+    return layers * compute_bytes + logits + outputs
+
+
+def recomputes_forwards(run: RunSpec, backend: str) -> bool:
+    """Whether the trainer recomputes its packed forwards (``recompute_forwards``) in this run: 'auto' and 'true'
+    where a budget is set, except under ZeRO-3 and FSDP2, where the trainer refuses it (see the field)."""
+    if run.recompute_forwards == "false" or run.max_tokens_per_microbatch is None:
+        return False
+    return backend not in ("zero3", "fsdp2")
 
 
 # DeepSpeed's default `stage3_max_live_parameters` (DeepSpeed config docs): parameters it keeps gathered at once.
@@ -389,19 +410,23 @@ def role_memory(run: RunSpec, layout: Layout, gpu_memory_gib: float) -> Plan:
     else:
         sequences, scored = run.micro_batch, run.completion_length
     budget = run.max_tokens_per_microbatch
-    act = activation_bytes(model, sequences, seq_len, scored, compute, run.gradient_checkpointing, budget)
-    recomputed = forward_tokens(sequences * seq_len, seq_len, budget)
-    add(
-        "activations",
-        act,
-        generation=0.0,
-        formula=f"{sequences} seqs x {seq_len} tokens"
-        + (
-            (f", checkpointed (one layer of {recomputed} tokens recomputed)" if budget else ", checkpointed")
-            if run.gradient_checkpointing
-            else ", no checkpointing"
-        ),
-    )
+    recompute = recomputes_forwards(run, backend)
+    act = activation_bytes(model, sequences, seq_len, scored, compute, run.gradient_checkpointing, budget, recompute)
+    forward = forward_tokens(sequences * seq_len, seq_len, budget)
+    if recompute:
+        how = f", forwards of {forward} tokens recomputed one at a time" + (
+            " (layers checkpointed)" if run.gradient_checkpointing else ""
+        )
+    elif run.gradient_checkpointing:
+        how = f", checkpointed (one layer of {forward} tokens recomputed)" if budget else ", checkpointed"
+    else:
+        how = ", no checkpointing"
+    add("activations", act, generation=0.0, formula=f"{sequences} seqs x {seq_len} tokens{how}")
+    if budget and run.recompute_forwards == "true" and not recompute:
+        notes.append(
+            f"--recompute-forwards: the trainer refuses it under {backend} (see recompute_forwards in "
+            "docs/configuration.md); the activations are planned without it."
+        )
     if backend in ("zero3", "fsdp2"):
         gathered = gathered_working_set(model, compute, backend)
         rule = "min(P, stage3_max_live_parameters=1e9)" if backend == "zero3" else "2 layers + embedding"

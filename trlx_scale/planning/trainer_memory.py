@@ -176,6 +176,8 @@ class PlannedMemoryMixin:
                 if getattr(self, "_padding_free_decision", None)
                 else None
             ),
+            # As the trainer decided it (recompute_forwards; the plan also drops it where the backend refuses it).
+            recompute_forwards="true" if getattr(self, "_recompute_forwards_decision", None) else "false",
             precision=precision,
             compute_bytes=2 if (self.args.bf16 or dtype != torch.float32) else 4,
             vllm=uses_engine,

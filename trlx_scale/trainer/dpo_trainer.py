@@ -340,6 +340,7 @@ class DPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLDPOTrainer):
                 max_tokens=option(self.args, "max_tokens_per_microbatch"),
                 on_pass=self._record_packed_rows if training else None,
                 coefficient=self._attention_cost_coefficient(),
+                recompute=self._recompute_forwards(),
             )
         elif training and "input_ids" in inputs:
             ids, mask = inputs["input_ids"], inputs["attention_mask"]
@@ -362,7 +363,7 @@ class DPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLDPOTrainer):
             return result[0] * scale - offset, result[1]
         return result * scale - offset
 
-    def _record_packed_rows(self, rows: PackedRows) -> None:
+    def _record_packed_rows(self, rows: PackedRows, recomputed_forwards: int) -> None:
         self._record_layout(
             PassResult(
                 None,
@@ -374,6 +375,7 @@ class DPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLDPOTrainer):
                 forwards=len(rows.forwards),
                 oversize_samples=rows.oversize,
                 row_tokens=rows.row_tokens,
+                recomputed_forwards=recomputed_forwards,
             )
         )
 

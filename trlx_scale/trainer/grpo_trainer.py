@@ -329,6 +329,7 @@ class GRPOTrainer(RankBalanceMixin, PaddingFreeMixin, TrainerFeatures, TRLGRPOTr
                 max_tokens=option(self.args, "max_tokens_per_microbatch"),
                 one_forward_with_grad=self._zero3_reentrant_checkpointing(model),
                 coefficient=self._attention_cost_coefficient(),
+                recompute=self._recompute_forwards(),
             )
             rows = PackedPass(padded, **layout)
         if not self._shared_prefix_enabled(model):

@@ -32,7 +32,39 @@ class PaddingFreeMixin:
             self._padding_free_decision, self.padding_free_off_reason = resolve_switch(
                 "padding_free", option(self.args, "padding_free"), lambda: self._padding_free_blocker(model)
             )
+            if not self._padding_free_decision and option(self.args, "recompute_forwards") == "true":
+                raise ValueError(
+                    "recompute_forwards='true' recomputes packed forwards, and the passes are not packed "
+                    f"({self.padding_free_off_reason}): set recompute_forwards='auto' or 'false', or let "
+                    "padding_free apply."
+                )
         return self._padding_free_decision
+
+    def _recompute_forwards(self) -> bool:
+        """``recompute_forwards`` for the packed passes (``passes.forward_recompute``), decided once: 'auto' is on
+        where ``max_tokens_per_microbatch`` is set (without it a loss pass is one forward: nothing to free) and the
+        layout allows it (``_recompute_forwards_blocker``)."""
+        if getattr(self, "_recompute_forwards_decision", None) is None:
+            setting = option(self.args, "recompute_forwards")
+            if setting == "auto" and option(self.args, "max_tokens_per_microbatch") is None:
+                self._recompute_forwards_decision = False
+            else:
+                self._recompute_forwards_decision, _ = resolve_switch(
+                    "recompute_forwards", setting, self._recompute_forwards_blocker
+                )
+        return self._recompute_forwards_decision
+
+    def _recompute_forwards_blocker(self) -> str | None:
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            # trl.trainer.utils.maybe_gather_lm_head_ctx reads `ds_status` on the weight the head saved; a
+            # recomputed forward's saved tensors are plain tensors without DeepSpeed's attributes (AttributeError).
+            return (
+                "under DeepSpeed ZeRO-3, TRL's fused LM head gathers its weight in the backward through DeepSpeed's "
+                "attributes on the saved weight, which a recomputed forward's saved tensors do not carry"
+            )
+        if self.is_fsdp_enabled:
+            return "recomputing whole forwards under FSDP is not verified yet (1 process, DDP, ZeRO-1/2 are)"
+        return None
 
     def _padding_free_blocker(self, model) -> str | None:
         if getattr(self.args, "use_liger_kernel", False):
@@ -62,17 +94,26 @@ class PaddingFreeMixin:
         """The layout metrics of a loss pass (every rank runs it: one gather): ``batch/pad_frac`` (processed
         positions no sample owns), ``batch/packing_ratio`` (positions processed per real token of the rows: above 1
         padding, below 1 a shared prefix), ``batch/rank_imbalance`` (max over mean of the ranks' cost),
-        ``batch/tokens_per_microbatch``, ``batch/forwards_per_microbatch``, ``batch/oversize_samples``."""
+        ``batch/tokens_per_microbatch``, ``batch/forwards_per_microbatch``, ``batch/oversize_samples``,
+        ``batch/recomputed_forwards`` (forwards the backward recomputes: ``recompute_forwards``)."""
         if result.processed_tokens <= 0:
             return
         mode = "train" if self.model.training else "eval"
         cost = result.processed_tokens * (self._attention_cost_coefficient() + result.row_tokens)
         real = float(result.row_lengths.sum())  # the rows' real tokens: what any pass must cover
         # One gather per loss pass (every rank runs it): processed, padding and real tokens, cost, forwards, oversize.
-        values = [result.processed_tokens, result.padding_tokens, real, cost, result.forwards, result.oversize_samples]
+        values = [
+            result.processed_tokens,
+            result.padding_tokens,
+            real,
+            cost,
+            result.forwards,
+            result.oversize_samples,
+            result.recomputed_forwards,
+        ]
         local = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.accelerator.device)
         ranks = self.accelerator.gather(local.unsqueeze(0)).reshape(-1, local.numel())
-        processed, padding, real, costs, forwards, oversize = ranks.unbind(dim=1)
+        processed, padding, real, costs, forwards, oversize, recomputed = ranks.unbind(dim=1)
         metrics = self._metrics[mode]
         metrics["batch/pad_frac"].append(padding.sum().item() / processed.sum().item())
         metrics["batch/packing_ratio"].append(processed.sum().item() / max(real.sum().item(), 1.0))
@@ -80,6 +121,7 @@ class PaddingFreeMixin:
         metrics["batch/tokens_per_microbatch"].append(processed.mean().item())
         metrics["batch/forwards_per_microbatch"].append(forwards.max().item())
         metrics["batch/oversize_samples"].append(oversize.sum().item())
+        metrics["batch/recomputed_forwards"].append(recomputed.max().item())
 
     def _agree_max(self, value: int) -> int:
         """The largest of every rank's ``value`` under sharded parameters (ZeRO-3, FSDP2), where every rank must run

@@ -46,6 +46,7 @@ from ..losses.value_loss import clipped_value_loss
 from ..optim.master_weights import FP32MasterAdamW
 from ..optim.presets import get_preset
 from ..options import option
+from ..passes.forward_recompute import recomputes, run_forward
 from ..passes.packed_rows import PackedRows, forward_token_limit
 from ..passes.packing_support import packing_unsupported_reason
 from ..peft_models import is_peft_model
@@ -354,12 +355,22 @@ class PPOTrainer(GRPOTrainer):
             forward_tokens=forward_tokens,
             coefficient=self._attention_cost_coefficient(),
         )
-        outputs = [critic.values(f.input_ids, None, f.position_ids) for f in rows.forwards]
+        # Sharded critics: as many forwards as the rank with the most (see passes.packed), the extra ones times zero;
+        # agreed first, so the ranks agree on recomputing them in the backward too (recompute_forwards).
+        forwards = self._agree_max(len(rows.forwards))
+        recompute = recomputes(self._recompute_forwards(), forwards)
+
+        def critic_forward(ids, positions):
+            return critic.values(ids, None, positions)
+
+        outputs = [
+            run_forward(critic_forward, f.input_ids, f.position_ids, recompute=recompute) for f in rows.forwards
+        ]
         values = rows.position_values(outputs)
-        # Sharded critics: as many forwards as the rank with the most (see passes.packed), the extra ones times zero.
-        for _ in range(self._agree_max(len(rows.forwards)) - len(rows.forwards)):
+        for _ in range(forwards - len(rows.forwards)):
             dummy = input_ids[:1, :2]
-            values = values + 0.0 * critic.values(dummy, None, torch.arange(2, device=dummy.device)[None]).sum()
+            positions = torch.arange(2, device=dummy.device)[None]
+            values = values + 0.0 * run_forward(critic_forward, dummy, positions, recompute=recompute).sum()
         return values[:, -length - 1 : -1]
 
     def _rank_balance_algorithm_blocker(self) -> str | None:
