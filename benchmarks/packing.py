@@ -14,6 +14,9 @@ on the training side: the no-grad old-policy pass and the loss pass's forward + 
 - `shared`: `SharedPrefixPass` (`shared_prefix="true"`: each group's prompt once, padded rows);
 - `packed_shared`: `PrefixTreePass` (`shared_prefix="true"` with `padding_free="true"`: each group's prompt once
   inside packed rows, a tree attention mask);
+- with `--budget N` (1 process) instead: `packed` against `packed_budget` (`max_tokens_per_microbatch=N`, every
+  forward's graph kept until the backward, `recompute_forwards="false"`) and `packed_budget_recomputed` (the same
+  with `recompute_forwards` on: each forward recomputed in the backward), with `--gradient-checkpointing` or not;
 - `packed_balanced` (`--zero3` only): `packed` after the ranks' samples were dealt by cost (`balance_ranks`,
   `rollout/rank_balance.py`: each rank keeps 16 samples); the exchange itself, once per rollout in the trainer, is
   timed apart.
@@ -25,6 +28,7 @@ mode's log-probs are checked against `trl_padded` (a benchmark of a wrong answer
 
     python benchmarks/packing.py --repeats 5
     python benchmarks/packing.py --repeats 5 --zero3     # 2 processes, DeepSpeed ZeRO-3 (cpu_zero3.yaml)
+    python benchmarks/packing.py --repeats 5 --budget 512 [--gradient-checkpointing]
 
 `--zero3` runs the same step on 2 processes through `accelerate launch` with parameters, gradients and optimizer
 states sharded by DeepSpeed ZeRO-3 (gloo): each rank has its own micro-batch (its own completion lengths), every
@@ -63,6 +67,8 @@ from trlx_scale.rollout.rank_balance import balanced_rank_assignment, exchange_r
 
 MODES = ("trl_padded", "padded", "packed", "packed_longest_rows", "shared", "packed_shared")
 ZERO3_MODES = (*MODES, "packed_balanced")
+# --budget N: packed rows under max_tokens_per_microbatch=N, the forwards' graphs kept or recomputed (1 process).
+BUDGET_MODES = ("packed", "packed_budget", "packed_budget_recomputed")
 ZERO3_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "accelerate")
 
 
@@ -80,6 +86,8 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     )
     model = LlamaForCausalLM(config).float()
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    if getattr(args, "gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # TRL's default
     model.train()
     return model
 
@@ -137,12 +145,14 @@ def agree_max(value: int) -> int:
     return int(tensor.item())
 
 
-def make_pass(mode: str):
+def make_pass(mode: str, budget: int | None = None):
     padded = PaddedPass(trl_pass())
     common = dict(agree_max=agree_max, autocast=contextlib.nullcontext)
     packed = PackedPass(padded, **common, coefficient=COEFFICIENT)
     if mode == "padded":
         return padded
+    if mode in ("packed_budget", "packed_budget_recomputed"):
+        return PackedPass(padded, **common, max_tokens=budget, recompute=mode == "packed_budget_recomputed")
     if mode in ("packed", "packed_balanced"):
         return packed
     if mode == "packed_longest_rows":
@@ -155,18 +165,18 @@ def make_pass(mode: str):
     raise ValueError(mode)
 
 
-def logps(model, mode: str, batch, grad: bool) -> torch.Tensor:
+def logps(model, mode: str, batch, grad: bool, budget: int | None = None) -> torch.Tensor:
     ids, mask, width = batch
     if mode == "trl_padded":
         return trl_pass()(model, ids, mask, width, compute_entropy=grad)[0]
     request = PassRequest(ids, mask, width, compute_entropy=grad)
-    pass_ = make_pass(mode)
+    pass_ = make_pass(mode, budget)
     if isinstance(pass_, SharedPrefixPass):
         pass_._inner_model = getattr(model, "module", model)  # a DeepSpeed engine: the model inside
     return pass_.run(model, request).logps
 
 
-def step(model, mode: str, batch, accelerator=None) -> float:
+def step(model, mode: str, batch, accelerator=None, budget: int | None = None) -> float:
     """The training side of a micro-batch: old-policy pass (no grad), then the loss pass's forward + backward
     (through DeepSpeed's engine when an ``accelerator`` is given: its backward and its lr-0 step)."""
     ids, mask, width = batch
@@ -174,9 +184,9 @@ def step(model, mode: str, batch, accelerator=None) -> float:
         model.zero_grad(set_to_none=True)  # (DeepSpeed's engine zeroes its gradients in its step)
     start = time.perf_counter()
     with torch.no_grad():
-        logps(model, mode, batch, grad=False)
+        logps(model, mode, batch, grad=False, budget=budget)
     completion_mask = mask[:, -width:]
-    loss = (logps(model, mode, batch, grad=True) * completion_mask).sum()
+    loss = (logps(model, mode, batch, grad=True, budget=budget) * completion_mask).sum()
     if accelerator is None:
         loss.backward()
     else:
@@ -187,18 +197,20 @@ def step(model, mode: str, batch, accelerator=None) -> float:
 def peak_memory_worker(args: argparse.Namespace) -> None:
     model = build_model(args)
     batch = build_batch(args)
-    step(model, args.worker, batch)  # allocator warm-up, as in the timed runs
+    step(model, args.worker, batch, budget=args.budget)  # allocator warm-up, as in the timed runs
     model.zero_grad(set_to_none=True)
     baseline = status_mib("VmRSS")
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # Linux: reset the peak RSS (VmHWM) to the current RSS
-    step(model, args.worker, batch)
+    step(model, args.worker, batch, budget=args.budget)
     print(json.dumps({"peak_mib": status_mib("VmHWM") - baseline}))
 
 
 def forwarded_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--max-completion-len", str(args.max_completion_len), "--num-generations", str(args.num_generations)]
-    return flags + ["--groups", str(args.groups), "--vocab-size", str(args.vocab_size), "--threads", str(args.threads)]
+    flags += ["--groups", str(args.groups), "--vocab-size", str(args.vocab_size), "--threads", str(args.threads)]
+    flags += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
+    return flags + (["--budget", str(args.budget)] if args.budget else [])
 
 
 def zero3_worker(args: argparse.Namespace) -> None:
@@ -335,6 +347,40 @@ def positions_of(batch) -> dict[str, tuple[float, float]]:
     }
 
 
+def budget_main(args: argparse.Namespace) -> None:
+    """``--budget``: what ``recompute_forwards`` buys and costs under the token budget (see the module docstring)."""
+    model, batch = build_model(args), build_batch(args)
+    ids, mask, width = batch
+    completion = mask[:, -width:].bool()
+    with torch.no_grad():
+        reference = logps(model, "trl_padded", batch, grad=False)
+        for mode in BUDGET_MODES:
+            gap = (logps(model, mode, batch, grad=False, budget=args.budget) - reference)[completion].abs().max()
+            assert gap < 1e-4, f"{mode} differs from TRL's pass by {gap}"
+    forwards = len(PackedRows.build(ids, mask, width, max_tokens=args.budget, forward_tokens=args.budget).forwards)
+    for mode in BUDGET_MODES:  # warm-up
+        step(model, mode, batch, budget=args.budget)
+    times = {mode: [] for mode in BUDGET_MODES}
+    for repeat in range(args.repeats):
+        order = BUDGET_MODES[repeat % len(BUDGET_MODES) :] + BUDGET_MODES[: repeat % len(BUDGET_MODES)]
+        for mode in order:
+            times[mode].append(step(model, mode, batch, budget=args.budget))
+    print(
+        f"rows {ids.size(0)}, real tokens {int(mask.sum())}, budget {args.budget} tokens: {forwards} forwards; "
+        f"layer checkpointing {'on' if args.gradient_checkpointing else 'off'}"
+    )
+    print("| mode | step s (median) | vs `packed_budget` (median of ratios) | peak MiB |")
+    print("|---|---|---|---|")
+    results = {}
+    for mode in BUDGET_MODES:
+        median = statistics.median(times[mode])
+        ratio = statistics.median(t_kept / t for t_kept, t in zip(times["packed_budget"], times[mode], strict=True))
+        peak = peak_memory(args, mode, freed_at_once=True)
+        results[mode] = {"step_s": median, "speedup": ratio, "peak_mib": peak}
+        print(f"| `{mode}` | {median:.3f} | {ratio:.2f}x | {peak:.0f} |")
+    print(json.dumps(results))
+
+
 def zero3_main(args: argparse.Namespace) -> None:
     timed = launch_zero3(args, list(ZERO3_MODES))
     balance = timed["rank_imbalance"]
@@ -362,9 +408,13 @@ def zero3_main(args: argparse.Namespace) -> None:
     print(json.dumps({"modes": results, "rank_imbalance": balance, "exchange_s": timed["exchange_s"]}))
 
 
-def peak_memory(args: argparse.Namespace, mode: str) -> float:
+def peak_memory(args: argparse.Namespace, mode: str, freed_at_once: bool = False) -> float:
+    """``freed_at_once``: glibc maps every allocation above 64 KiB on its own, so a freed tensor leaves the RSS at
+    once and the peak RSS is the peak of live tensors (otherwise the heap keeps freed blocks, and which mode's peak
+    they inflate depends on the order of its frees)."""
     command = [sys.executable, __file__, "--worker", mode, *forwarded_flags(args)]
-    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536") if freed_at_once else None
+    result = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"]
 
 
@@ -378,7 +428,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--zero3", action="store_true", help="2 processes under DeepSpeed ZeRO-3 (see above)")
     parser.add_argument("--port", type=int, default=29561, help="the ZeRO-3 launch's main process port")
-    parser.add_argument("--worker", choices=ZERO3_MODES, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--budget",
+        type=int,
+        help="compare packed rows under max_tokens_per_microbatch=BUDGET with the forwards' graphs kept and "
+        "recomputed (recompute_forwards), and packed rows without a budget",
+    )
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="layer checkpointing (TRL's default)")
+    parser.add_argument("--worker", choices=(*ZERO3_MODES, *BUDGET_MODES[1:]), help=argparse.SUPPRESS)
     parser.add_argument("--zero3-worker", help=argparse.SUPPRESS)
     parser.add_argument("--peak", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -391,6 +448,9 @@ def main() -> None:
         return
     if args.zero3:
         zero3_main(args)
+        return
+    if args.budget:
+        budget_main(args)
         return
 
     model = build_model(args)
