@@ -5,7 +5,8 @@ same inputs: bit for bit on this CPU, so the tolerance is 0 for the log-probs an
 gradient for the gradients), and the graph keeps only the forwards' inputs and per-token outputs, not their
 activations (counted with saved-tensor hooks: what autograd keeps for the backward, independent of the allocator).
 The trainers' runs with and without it train alike (GRPO, PPO's critic, DPO); under 2 DDP processes the packed run
-of tests/test_packing_distributed.py recomputes (its budget cuts the loss pass) and equals the padded run.
+of tests/test_packing_distributed.py recomputes (its budget cuts the loss pass) and equals the padded run; under FSDP2
+(2 processes, raw fully_shard) the pass gives the kept forwards' gradient with the ranks' forward counts differing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from trlx_scale.passes import PackedPass, PassRequest
 from trlx_scale.passes.prefix_tree import PrefixTreePass
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
+from .helpers.launch import run_torchrun_report
 from .helpers.trainers import logged, small_grpo_config
 
 PROMPT, COMPLETION = 9, 7
@@ -97,6 +99,24 @@ def test_recomputed_forwards_give_the_same_gradient_and_keep_no_activations(defa
     # Kept for the backward: the forwards' inputs and outputs and the gathering onto the grid (a few KiB), against
     # every forward's activations (or, under layer checkpointing, every layer's input) without the recompute.
     assert recomputed_bytes * 4 < kept_bytes, (recomputed_bytes, kept_bytes)
+
+
+@pytest.mark.distributed
+def test_recomputed_forwards_under_fsdp2_give_the_kept_gradient(tmp_path):
+    """FSDP2 (raw fully_shard on gloo, 2 processes), full fine-tuning and LoRA, with and without layer
+    checkpointing: rank 0 packs its rows into more forwards than rank 1, which runs lockstep dummies (recomputed
+    too, so the ranks' all-gathers match in the backward); log-probs equal and full gradients within 1e-6 of their
+    norm (tests/distributed/forward_recompute_fsdp2.py)."""
+    report = run_torchrun_report("forward_recompute_fsdp2.py", tmp_path / "fsdp2.json", port=29671)
+    assert sorted(report) == ["full", "full_checkpointing", "lora", "lora_checkpointing"]
+    for name, result in report.items():
+        ranks = result["counts"]
+        assert ranks[0]["forwards"] > ranks[1]["forwards"] > 1, name  # the dummies run
+        assert [r["recomputed"] for r in ranks] == [r["forwards"] for r in ranks], name
+        assert [r["kept"] for r in ranks] == [0, 0], name
+        assert result["grad_norm"] > 1.0, name  # real gradients are compared
+        assert result["max_logp_difference"] == 0.0, name
+        assert result["max_grad_difference"] < 1e-6 * result["grad_norm"], name
 
 
 def test_a_single_forward_or_a_pass_without_gradients_is_not_recomputed(default_model_dir):
@@ -200,16 +220,14 @@ def _layout(deepspeed_stage=None, fsdp=False, **fields):
     return trainer
 
 
-def test_the_layouts_it_is_not_verified_on_refuse_it_by_name():
+def test_zero3_refuses_it_by_name_and_the_other_layouts_take_it():
     budget = dict(max_tokens_per_microbatch=64)
     assert _layout(deepspeed_stage=2, recompute_forwards="auto", **budget)._recompute_forwards()
     assert not _layout(recompute_forwards="auto", max_tokens_per_microbatch=None)._recompute_forwards()
     assert not _layout(deepspeed_stage=3, recompute_forwards="auto", **budget)._recompute_forwards()  # logged
-    assert not _layout(fsdp=True, recompute_forwards="auto", **budget)._recompute_forwards()
+    assert _layout(fsdp=True, recompute_forwards="auto", **budget)._recompute_forwards()  # FSDP2: verified
     with pytest.raises(ValueError, match="recompute_forwards='true' cannot run: under DeepSpeed ZeRO-3"):
         _layout(deepspeed_stage=3, recompute_forwards="true", **budget)._recompute_forwards()
-    with pytest.raises(ValueError, match="recompute_forwards='true' cannot run: .* under FSDP"):
-        _layout(fsdp=True, recompute_forwards="true", **budget)._recompute_forwards()
 
 
 def test_trls_zero3_gather_in_the_fused_head_still_reads_deepspeeds_attribute():

@@ -113,7 +113,7 @@ def test_recomputed_forwards_bound_the_activations_and_logits_by_the_budget():
     """recompute_forwards: the micro-batch keeps each scored token's log-prob and entropy (8 bytes) and the backward
     holds one forward's graph at a time: 4 sequences x 10 tokens in forwards of 12 tokens hold 12 tokens' layer
     inputs and logits (12/40 of the 16 scored tokens), not 40. 'auto' plans it where the trainer runs it (not under
-    ZeRO-3 or FSDP2, which refuse it)."""
+    ZeRO-3, which refuses it)."""
     shape = ModelShape(**TINY)
     logits = 16 * 12 / 40 * 100 * (2 + 8)
     checkpointed = activation_bytes(shape, 4, 10, 4, 2, True, 12, recompute_forwards=True)

@@ -14,6 +14,12 @@ is accumulated once per micro-batch (DDP's bucket hooks and ZeRO-3's reduction f
 model's own layer checkpointing nests inside it, and the autocast and RNG state of the forward are restored for the
 recompute. The recompute reproduces the forward's values (same inputs, same kernels), so the gradient is the one
 without it (tests/test_forward_recompute.py).
+
+Sharded parameters: the recompute gathers the weights again (FSDP2's all-gathers), so the ranks must recompute the
+same forwards. The passes agree on the forward count before running them and run their lockstep dummies through
+``run_forward`` too (verified under FSDP2: tests/distributed/forward_recompute_fsdp2.py). DeepSpeed ZeRO-3 is refused
+by the trainer: TRL's fused LM head reads DeepSpeed's attributes on the weight it saved, which a recomputed forward's
+saved tensors lack.
 """
 
 from __future__ import annotations

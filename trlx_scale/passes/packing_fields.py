@@ -53,8 +53,7 @@ class PackingFields:
             "max_tokens_per_microbatch is set, since that budget then is a memory bound as in verl (measured on "
             "a long-tail micro-batch in 5 forwards: peak 471 -> 233 MiB for a step 20 percent slower; docs/benchmarks.md, "
             "'Recomputed forwards'), off without it (a loss pass is then one forward: nothing to free); 'true': "
-            "on, or an error naming what prevents it (not the packed passes; DeepSpeed ZeRO-3; FSDP, not verified "
-            "yet); 'false': every forward's graph is kept until the backward (the 20 percent back where memory allows).",
+            "on, or an error naming what prevents it (the passes not packed, DeepSpeed ZeRO-3); 'false': every forward's graph is kept until the backward (the 20 percent back where memory allows).",
             "choices": list(PADDING_FREE_SETTINGS),
         },
     )

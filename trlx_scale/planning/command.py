@@ -79,7 +79,7 @@ def add_plan_parser(commands) -> argparse.ArgumentParser:
         choices=("auto", "true", "false"),
         default="auto",
         help="the field of that name: 'auto' recomputes the packed forwards in the backward where "
-        "--max-tokens-per-microbatch is set (not under zero3/fsdp2, where the trainer refuses it)",
+        "--max-tokens-per-microbatch is set (not under zero3, where the trainer refuses it)",
     )
     run.add_argument("--precision", choices=PRECISIONS, default="bf16-master", help="bf16-master: the presets")
 

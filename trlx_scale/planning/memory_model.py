@@ -333,10 +333,10 @@ def activation_bytes(
 
 def recomputes_forwards(run: RunSpec, backend: str) -> bool:
     """Whether the trainer recomputes its packed forwards (``recompute_forwards``) in this run: 'auto' and 'true'
-    where a budget is set, except under ZeRO-3 and FSDP2, where the trainer refuses it (see the field)."""
+    where a budget is set, except under ZeRO-3, where the trainer refuses it (see the field)."""
     if run.recompute_forwards == "false" or run.max_tokens_per_microbatch is None:
         return False
-    return backend not in ("zero3", "fsdp2")
+    return backend != "zero3"
 
 
 # DeepSpeed's default `stage3_max_live_parameters` (DeepSpeed config docs): parameters it keeps gathered at once.

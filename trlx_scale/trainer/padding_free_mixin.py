@@ -62,8 +62,6 @@ class PaddingFreeMixin:
                 "under DeepSpeed ZeRO-3, TRL's fused LM head gathers its weight in the backward through DeepSpeed's "
                 "attributes on the saved weight, which a recomputed forward's saved tensors do not carry"
             )
-        if self.is_fsdp_enabled:
-            return "recomputing whole forwards under FSDP is not verified yet (1 process, DDP, ZeRO-1/2 are)"
         return None
 
     def _padding_free_blocker(self, model) -> str | None:
