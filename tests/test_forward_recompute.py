@@ -21,6 +21,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from trlx_scale import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from trlx_scale.passes import PackedPass, PassRequest
+from trlx_scale.passes.forward_recompute import run_forward
 from trlx_scale.passes.prefix_tree import PrefixTreePass
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
@@ -154,18 +155,40 @@ def test_grpo_trains_alike_and_auto_recomputes_under_a_budget(tmp_path, default_
     torch.testing.assert_close(logged(auto, "grad_norm"), logged(kept, "grad_norm"), rtol=1e-5, atol=1e-7)
 
 
-def test_ppo_critic_trains_alike_with_recomputed_forwards(tmp_path, default_model_dir):
+@pytest.mark.parametrize("critic_mode", ["separate", "shared_base"])
+def test_ppo_critic_trains_alike_with_recomputed_forwards(tmp_path, default_model_dir, monkeypatch, critic_mode):
+    """The critic's packed forwards are recomputed too (counted where PPO calls run_forward: the policy's are in
+    batch/recomputed_forwards). shared_base switches to the critic's adapter inside the forward, so the recompute,
+    run during the backward, switches again: the values and the gradients are the kept run's."""
+    import trlx_scale.trainer.ppo_trainer as ppo_module
+
+    calls = {"recomputed": 0}
+
+    def counting_run_forward(forward, *tensors, recompute):
+        calls["recomputed"] += int(recompute and torch.is_grad_enabled())
+        return run_forward(forward, *tensors, recompute=recompute)
+
+    monkeypatch.setattr(ppo_module, "run_forward", counting_run_forward)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
-    runs = {
-        setting: _train(
-            default_model_dir, tmp_path, setting, PPOTrainer, PPOConfig, critic_learning_rate=1e-3, peft_config=lora
+    runs, critic_recomputes = {}, {}
+    for setting in ("false", "auto"):
+        calls["recomputed"] = 0
+        runs[setting] = _train(
+            default_model_dir,
+            tmp_path / critic_mode,
+            setting,
+            PPOTrainer,
+            PPOConfig,
+            critic_learning_rate=1e-3,
+            critic_mode=critic_mode,
+            peft_config=lora,
         )
-        for setting in ("false", "true")
-    }
-    assert min(logged(runs["true"], "batch/recomputed_forwards")) > 1
+        critic_recomputes[setting] = calls["recomputed"]
+    assert critic_recomputes == {"false": 0, "auto": critic_recomputes["auto"]} and critic_recomputes["auto"] > 2
+    assert min(logged(runs["auto"], "batch/recomputed_forwards")) > 1
     for key in ("loss", "ppo/value_loss", "ppo/values_mean", "grad_norm"):
         torch.testing.assert_close(
-            logged(runs["true"], key), logged(runs["false"], key), rtol=1e-5, atol=1e-7, msg=key
+            logged(runs["auto"], key), logged(runs["false"], key), rtol=1e-5, atol=1e-7, msg=key
         )
 
 
@@ -202,8 +225,19 @@ def test_dpo_policy_forward_trains_alike_with_recomputed_forwards(tmp_path, defa
 def test_bad_settings_name_the_field(tmp_path, default_model_dir):
     with pytest.raises(ValueError, match="recompute_forwards must be one of"):
         small_grpo_config(tmp_path, recompute_forwards="sometimes")
+    with pytest.raises(ValueError, match="recompute_forwards='true' recomputes packed forwards, and padding_free="):
+        small_grpo_config(tmp_path, recompute_forwards="true", padding_free="false", max_tokens_per_microbatch=40)
+    with pytest.raises(ValueError, match="recompute_forwards='true' needs max_tokens_per_microbatch"):
+        small_grpo_config(tmp_path, recompute_forwards="true")
+    # padding_free='auto' turned off by the model (flex_attention has no backward on CPU): an error at the first pass.
     with pytest.raises(ValueError, match="recompute_forwards='true' recomputes packed forwards, and the passes are"):
-        _train(default_model_dir, tmp_path, "true", padding_free="false")
+        _train(
+            default_model_dir,
+            tmp_path,
+            "true",
+            padding_free="auto",
+            model_init_kwargs={"attn_implementation": "flex_attention"},
+        )
 
 
 def _layout(deepspeed_stage=None, fsdp=False, **fields):
@@ -224,7 +258,7 @@ def test_zero3_refuses_it_by_name_and_the_other_layouts_take_it():
     budget = dict(max_tokens_per_microbatch=64)
     assert _layout(deepspeed_stage=2, recompute_forwards="auto", **budget)._recompute_forwards()
     assert not _layout(recompute_forwards="auto", max_tokens_per_microbatch=None)._recompute_forwards()
-    assert not _layout(deepspeed_stage=3, recompute_forwards="auto", **budget)._recompute_forwards()  # logged
+    assert not _layout(deepspeed_stage=3, recompute_forwards="auto", **budget)._recompute_forwards()
     assert _layout(fsdp=True, recompute_forwards="auto", **budget)._recompute_forwards()  # FSDP2: verified
     with pytest.raises(ValueError, match="recompute_forwards='true' cannot run: under DeepSpeed ZeRO-3"):
         _layout(deepspeed_stage=3, recompute_forwards="true", **budget)._recompute_forwards()

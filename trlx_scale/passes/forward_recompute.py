@@ -10,7 +10,7 @@ micro-batch then keeps one forward's activations whatever its size: the budget b
 ``ppo_max_token_len_per_gpu`` is. The price is one more forward per micro-batch (docs/benchmarks.md).
 
 Why non-reentrant checkpointing: the backward stays one autograd pass over one graph, so every parameter's gradient
-is accumulated once per micro-batch (DDP's bucket hooks and ZeRO-3's reduction fire as they do without it), the
+is accumulated once per micro-batch (DDP's bucket hooks and FSDP2's reduce-scatter fire as they do without it), the
 model's own layer checkpointing nests inside it, and the autocast and RNG state of the forward are restored for the
 recompute. The recompute reproduces the forward's values (same inputs, same kernels), so the gradient is the one
 without it (tests/test_forward_recompute.py).

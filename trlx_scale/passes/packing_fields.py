@@ -33,8 +33,9 @@ class PackingFields:
         default=None,
         metadata={
             "help": "With padding_free: the most tokens of one packed row and of one forward. With "
-            "recompute_forwards (on by default once this is set) it bounds the loss pass's memory too: a "
-            "micro-batch keeps one forward's activations, not all of them (verl's ppo_max_token_len_per_gpu). A "
+            "recompute_forwards (on by default once this is set, except under ZeRO-3) it bounds the loss pass's "
+            "memory too: a micro-batch keeps one forward's activations, not all of them (verl's "
+            "ppo_max_token_len_per_gpu; the shared-prefix pass's KV-cache chunks are not cut by it). A "
             "sample longer than this gets a row of its own (counted in batch/oversize_samples, never dropped). "
             "Unset: packed rows take the width that costs least by the model's shape (at least the micro-batch's "
             "longest sample, at most twice it: a slightly wider row often holds the samples in one row fewer) and a "
@@ -50,10 +51,13 @@ class PackingFields:
             "checkpointing around the whole forward), one at a time. TRL's loss spans the micro-batch, so without "
             "this every forward's activations and LM-head tensors live until the micro-batch's backward. The "
             "gradient is the same; the cost is one more forward per micro-batch. 'auto' (default): on where "
-            "max_tokens_per_microbatch is set, since that budget then is a memory bound as in verl (measured on "
-            "a long-tail micro-batch in 5 forwards: peak 471 -> 233 MiB for a step 20 percent slower; docs/benchmarks.md, "
-            "'Recomputed forwards'), off without it (a loss pass is then one forward: nothing to free); 'true': "
-            "on, or an error naming what prevents it (the passes not packed, DeepSpeed ZeRO-3); 'false': every forward's graph is kept until the backward (the 20 percent back where memory allows).",
+            "max_tokens_per_microbatch is set, since that budget then is a memory bound as in verl (measured on a "
+            "long-tail micro-batch in 5 forwards: peak 471 -> 233 MiB, the step about 25 percent longer; "
+            "docs/benchmarks.md, 'Recomputed forwards'), off without it (a loss pass is then one forward: nothing "
+            "to free) and under DeepSpeed ZeRO-3 (TRL's fused LM head cannot gather its weight from a recomputed "
+            "forward); 'true': on, or an error naming what prevents it (no budget, the passes not packed, "
+            "ZeRO-3); 'false': every forward's graph is kept until the backward (the faster step, where memory "
+            "allows).",
             "choices": list(PADDING_FREE_SETTINGS),
         },
     )
@@ -72,6 +76,16 @@ class PackingFields:
             raise ValueError(
                 f"recompute_forwards must be one of {PADDING_FREE_SETTINGS}, got {self.recompute_forwards!r}: 'auto' "
                 "recomputes the packed forwards where max_tokens_per_microbatch is set."
+            )
+        if self.recompute_forwards == "true" and self.padding_free == "false":
+            raise ValueError(
+                "recompute_forwards='true' recomputes packed forwards, and padding_free='false' packs none: set "
+                "padding_free='auto' or recompute_forwards='auto'."
+            )
+        if self.recompute_forwards == "true" and self.max_tokens_per_microbatch is None:
+            raise ValueError(
+                "recompute_forwards='true' needs max_tokens_per_microbatch: without a token budget a loss pass is one "
+                "forward, with nothing to recompute. Set max_tokens_per_microbatch, or recompute_forwards='auto'."
             )
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
             raise ValueError(

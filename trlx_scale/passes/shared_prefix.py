@@ -332,4 +332,5 @@ class SharedPrefixPass:
             padding_tokens=float(sum(r.padding_tokens for r in fallbacks)) + shared_padding,
             forwards=len(chunk_ratios),
             row_tokens=request.input_ids.size(1),
+            recomputed_forwards=sum(r.recomputed_forwards for r in fallbacks),
         )

@@ -23,7 +23,8 @@ Formulas (N = data-parallel GPUs; P = parameters; T = trainable parameters (P, o
   masks and softmax. With gradient checkpointing only each layer's input (h values) is kept, plus one layer's full
   activations while it is recomputed (Chen et al. 2016); with packed passes under ``max_tokens_per_microbatch``
   that layer is recomputed for one forward's tokens (the budget, or the longest sample if longer), not the
-  micro-batch's: the kept activations stay the micro-batch's (TRL's loss spans it). The LM head adds, for the scored tokens, the logits in the
+  micro-batch's; with ``recompute_forwards`` as well, each forward is recomputed in the backward, so the kept
+  activations and logits are one forward's, not the micro-batch's (TRL's loss spans it). The LM head adds, for the scored tokens, the logits in the
   compute dtype plus the fp32 log-softmax and its gradient: V x (bytes + 8) per token.
 - Colocated vLLM engine (Kwon et al. 2023): awake, it takes ``gpu_memory_utilization`` of the GPU (its weights,
   in its dtype and split by tensor parallelism, and the KV cache in what is left). KV cache per token:
@@ -319,7 +320,7 @@ def activation_bytes(
     per_token_layer = 4 * h + 2 * model.heads * d + 2 * model.kv * d + 4 * f
     tokens = sequences * seq_len
     forward = forward_tokens(tokens, seq_len, max_tokens_per_microbatch)
-    recomputing = recompute_forwards and max_tokens_per_microbatch is not None
+    recomputing = recompute_forwards and forward < tokens  # one forward: nothing to recompute (as the trainer)
     held = forward if recomputing else tokens  # the tokens whose graph is alive at once
     if checkpointing:
         layers = model.layers * held * h + forward * per_token_layer
