@@ -17,39 +17,13 @@ import sys
 
 import torch
 import torch.distributed as dist
+from fsdp2_models import build_fsdp2_model, report_variants  # tests/distributed/ (the script's folder)
 from report import finish  # tests/distributed/report.py (the script's folder)
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
-from trl.trainer.utils import add_fused_lm_head
 
 from trlx_scale.passes import PackedPass, PassRequest
-from trlx_scale.tasks.default_model import default_model_path
 
 PROMPT, COMPLETION, BUDGET = 7, 6, 14
-
-
-def build(kind: str, checkpointing: bool) -> torch.nn.Module:
-    torch.manual_seed(0)  # the same LoRA initialisation on every rank
-    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32, attn_implementation="sdpa")
-    add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as GRPOTrainer does, before PEFT
-    layer_classes = set(model._no_split_modules or ())
-    if kind == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-        with torch.no_grad():  # B starts at zero: give the adapter a real effect so its gradients are not trivial
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.02)
-    if checkpointing:
-        model.gradient_checkpointing_enable()  # transformers' default: non-reentrant
-    for module in model.modules():  # as accelerate.utils.fsdp2_prepare_model wraps: the decoder layers, then the root
-        if type(module).__name__ in layer_classes:
-            fully_shard(module)
-    fully_shard(model)
-    model.train()
-    return model
 
 
 def batch(rank: int, vocabulary: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +61,7 @@ def run_pass(model, ids, mask, recompute: bool) -> tuple[torch.Tensor, dict, int
 
 
 def compare(kind: str, checkpointing: bool, rank: int) -> dict:
-    model = build(kind, checkpointing)
+    model = build_fsdp2_model(kind, checkpointing, attn_implementation="sdpa")
     ids, mask = batch(rank, model.config.vocab_size)
     kept_logps, kept_grads, forwards, kept_recomputed = run_pass(model, ids, mask, recompute=False)
     logps, grads, _, recomputed = run_pass(model, ids, mask, recompute=True)
@@ -110,11 +84,7 @@ def compare(kind: str, checkpointing: bool, rank: int) -> dict:
 def main() -> dict:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    report = {}
-    for kind in ("full", "lora"):
-        for checkpointing in (False, True):
-            report[f"{kind}{'_checkpointing' if checkpointing else ''}"] = compare(kind, checkpointing, rank)
-    return report
+    return report_variants(lambda kind, checkpointing: compare(kind, checkpointing, rank))
 
 
 if __name__ == "__main__":
