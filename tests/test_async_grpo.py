@@ -23,7 +23,7 @@ from trlx_scale.generation.server_weights import write_full_weights
 from trlx_scale.generation.vllm_server import ServerLaunch, VLLMServerProcess, free_port
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
-from .helpers.launch import ACCELERATE, REPO_ROOT, read_run_summary, run_command
+from .helpers.launch import ACCELERATE, REPO_ROOT, read_run_summary, run_command, run_torchrun_report
 from .helpers.trainers import logged, small_grpo_config
 
 pytestmark = pytest.mark.slow
@@ -243,6 +243,24 @@ def test_two_processes_train_asynchronously_and_learn(config, server, tmp_path):
     rewards = summary["reward_curve"]
     assert len(rewards) == 8
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
+
+
+@pytest.mark.distributed
+def test_fsdp2_sharded_policies_reach_the_server_verified(server, tmp_path):
+    """FSDP2 (raw fully_shard, gloo, 2 processes: Accelerate runs FSDP only on accelerators): the trainer's weight
+    path (``ServerGeneration.ensure_version``) gathers the shards tensor by tensor on every rank and the main process
+    writes them, for full weights, a LoRA policy merged, and the adapter alone. Version 0's files equal the unsharded
+    model's (the merge equal to PEFT's own on one process); versions 0 and 1 are verified on the module's server, and
+    the step between them moves the probe by more than the tolerance, so the verification tells them apart."""
+    report = run_torchrun_report(
+        "async_server_weights_fsdp2.py", tmp_path / "fsdp2.json", port=29672, arguments=[server.url]
+    )
+    assert sorted(report) == ["full", "lora_adapter", "lora_merged"]
+    for name, variant in report.items():
+        assert variant["sharded"], name
+        assert variant["same_names"] and variant["max_abs_diff"] <= 1e-6, (name, variant)
+        assert variant["gap_v0"] < 1e-3 and variant["gap_v1"] < 1e-3, (name, variant)
+        assert variant["probe_moved"] > 1e-2, (name, variant)
 
 
 def test_a_server_that_dies_mid_run_stops_the_run_with_its_exit(default_model_dir, tmp_path):

@@ -1,9 +1,64 @@
-"""LoRA-only weight sync from an FSDP2-sharded policy (raw fully_shard on gloo: Accelerate runs FSDP only on
-accelerators)."""
+"""Weight sync from an FSDP2-sharded policy (raw fully_shard on gloo: Accelerate runs FSDP only on accelerators), and
+the merge the asynchronous trainer's FSDP2 path computes from gathered tensors (``server_weights``; its 2-process run
+against a real server is in test_async_grpo.py)."""
+
+import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
+
+from trlx_scale.generation import server_weights
 
 from .helpers.launch import run_torchrun_report
+
+
+def _lora(model, **config):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", **config))
+    with torch.no_grad():  # non-zero B: the merge is not trivially the base
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return peft_model
+
+
+def test_gathered_merge_equals_peft_merge(default_model, tmp_path):
+    """The merged weights computed from gathered tensors are PEFT's ``merge_adapter`` + ``write_full_weights``
+    (names, tied aliases and values), and a rank that does not write keeps nothing."""
+    base = {name: tensor.clone() for name, tensor in default_model.state_dict().items()}
+    model = _lora(default_model)
+    gathered = server_weights.gathered_full_weights(model, keep=True)
+    assert server_weights.gathered_full_weights(model, keep=False) == {}
+    model.merge_adapter()
+    path = server_weights.write_full_weights(model, str(tmp_path / "merged"))
+    expected = load_file(f"{path}/{server_weights.WEIGHTS_FILE}")
+    assert sorted(gathered) == sorted(expected)
+    assert max((gathered[name] - expected[name]).abs().max().item() for name in expected) <= 1e-6
+    assert any((expected[name] - base[name]).abs().max().item() > 1e-3 for name in base)  # the adapter is in it
+
+
+def test_gathered_merge_refuses_what_it_cannot_merge(default_model):
+    """DoRA's merge needs the weight norm: the FSDP2 path refuses it and names the way out."""
+    model = _lora(default_model, use_dora=True)
+    with pytest.raises(ValueError, match="vllm_sync_mode='lora'"):
+        server_weights.gathered_full_weights(model, keep=True)
+
+
+def test_gathered_adapter_is_the_saved_adapter(default_model, tmp_path):
+    """The adapter files written from gathered tensors hold what ``save_pretrained`` writes."""
+    model = _lora(default_model)
+    ours = server_weights.save_adapter(model, server_weights.gathered_adapter(model, keep=True), str(tmp_path / "a"))
+    peft = server_weights.write_adapter(model, str(tmp_path / "b"))
+    written, expected = (load_file(f"{d}/{server_weights.ADAPTER_FILE}") for d in (ours, peft))
+    assert sorted(written) == sorted(expected)
+    assert all(torch.equal(written[name], expected[name]) for name in expected)
+    configs = [json.load(open(f"{d}/adapter_config.json")) for d in (ours, peft)]
+    for config in configs:
+        config["target_modules"] = sorted(config["target_modules"])  # PEFT writes a set as a list in any order
+        config.pop("auto_mapping")  # which transformers class to rebuild with (AutoPeftModel): vLLM does not read it
+    assert configs[0] == configs[1]
 
 
 @pytest.mark.distributed

@@ -13,11 +13,11 @@ from trlx_scale.tasks.default_model import default_model_path
 VARIANTS = [("full", False), ("full", True), ("lora", False), ("lora", True)]  # (kind, layer checkpointing)
 
 
-def build_fsdp2_model(kind: str, checkpointing: bool, **model_kwargs) -> torch.nn.Module:
+def build_fsdp2_model(kind: str, checkpointing: bool, shard: bool = True, **model_kwargs) -> torch.nn.Module:
     """The embedded model with TRL's fused LM head, fully trained (``kind="full"``) or a LoRA adapter whose B
     starts non-zero (so its gradients are not trivial), optionally with transformers' default (non-reentrant)
     gradient checkpointing, sharded as ``accelerate.utils.fsdp2_prepare_model`` does: each decoder layer a group,
-    then the root. The same initialisation on every rank."""
+    then the root (``shard=False``: the same model unsharded, the reference). The same initialisation on every rank."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32, **model_kwargs)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as GRPOTrainer does, before PEFT
@@ -32,10 +32,11 @@ def build_fsdp2_model(kind: str, checkpointing: bool, **model_kwargs) -> torch.n
                     param.normal_(0, 0.02)
     if checkpointing:
         model.gradient_checkpointing_enable()  # transformers' default: non-reentrant
-    for module in model.modules():
-        if type(module).__name__ in layer_classes:
-            fully_shard(module)
-    fully_shard(model)
+    if shard:
+        for module in model.modules():
+            if type(module).__name__ in layer_classes:
+                fully_shard(module)
+        fully_shard(model)
     model.train()
     return model
 

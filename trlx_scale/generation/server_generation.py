@@ -39,6 +39,7 @@ from . import server_weights
 from .cpu_environment import running_on_cpu_only
 from .server_client import ServerError, VLLMServerClient
 from .vllm_server import VLLMServerProcess
+from .weight_sync import is_fsdp2_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -127,29 +128,51 @@ class ServerGeneration:
     def _send(self, version: int) -> float:
         """Write ``version``'s files (main process) and load them on every server; returns the paused seconds."""
         model = self.accelerator.unwrap_model(self.model)
-        main = self.accelerator.is_main_process
-        paused = 0.0
-        with torch.no_grad(), self._dist.gather_params(list(model.parameters())):
-            if main:
-                size = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
-                path = self._version_dir(version, size)
-                if self.sync_mode == "lora":
-                    server_weights.write_adapter(model, path)
-                elif is_peft_model(model):
-                    model.merge_adapter()
-                    try:
+        if is_fsdp2_sharded(model):
+            self._write_fsdp2(model, version)
+        else:
+            with torch.no_grad(), self._dist.gather_params(list(model.parameters())):
+                if self.accelerator.is_main_process:
+                    path = self._version_dir(version, self._model_bytes(model))
+                    if self.sync_mode == "lora":
+                        server_weights.write_adapter(model, path)
+                    elif is_peft_model(model):
+                        model.merge_adapter()
+                        try:
+                            server_weights.write_full_weights(model, path)
+                        finally:
+                            model.unmerge_adapter()
+                    else:
                         server_weights.write_full_weights(model, path)
-                    finally:
-                        model.unmerge_adapter()
-                else:
-                    server_weights.write_full_weights(model, path)
-                self._version_dirs[version] = path
-        if main:
+                    self._version_dirs[version] = path
+        paused = 0.0
+        if self.accelerator.is_main_process:
             if self.sync_mode == "lora":
                 self.client.load_adapter(version, self._version_dirs[version])
             else:
                 paused, _ = self.client.reload_weights(version, self._version_dirs[version])
         return paused
+
+    def _write_fsdp2(self, model: torch.nn.Module, version: int) -> None:
+        """FSDP2: every rank gathers the shards tensor by tensor (collectives), the main process writes the files."""
+        main = self.accelerator.is_main_process
+        with torch.no_grad():
+            if self.sync_mode == "lora":
+                tensors = server_weights.gathered_adapter(model, keep=main)
+            else:
+                tensors = server_weights.gathered_full_weights(model, keep=main)
+        if main:
+            path = self._version_dir(version, self._model_bytes(model))
+            if self.sync_mode == "lora":
+                server_weights.save_adapter(model, tensors, path)
+            else:
+                server_weights.save_full_weights(tensors, path)
+            self._version_dirs[version] = path
+
+    @staticmethod
+    def _model_bytes(model: torch.nn.Module) -> int:
+        """The whole model's size (ZeRO-3 partitions report it in ds_numel, DTensors in numel)."""
+        return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
 
     @contextlib.contextmanager
     def _hold_for_reload(self):

@@ -10,10 +10,17 @@ Tied weights: a transformers model with tied input/output embeddings saves the s
 ``lm_head`` as a layer of its own and its reload leaves a layer without weights in the files untouched (the served
 log-probs then come from the new body and the old head). The full-weight file therefore names every alias
 (``compat.vllm_weight_reload.tied_weight_aliases``), as the colocated sync streams them.
+
+FSDP2: parameters are DTensors, each rank holding a shard. ``gathered_full_weights`` and ``gathered_adapter``
+gather them one tensor at a time (``full_tensor``, a collective: every rank calls them, in the same order) and only
+the writing rank keeps the result. A merged LoRA layer is computed from the gathered base weight and adapter
+(``merged_lora_weight``): PEFT's ``merge_adapter`` would add a sharded delta into a sharded weight in place, and the
+rank that writes needs the whole merged tensor anyway.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -22,9 +29,10 @@ import torch
 from safetensors.torch import save_file
 
 from ..compat.vllm_weight_reload import tied_weight_aliases
-from .weight_sync import ram_backed_directory
+from .weight_sync import ram_backed_directory, unsharded
 
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name for the weights save_pretrained writes
 
 
 def version_root(size_bytes: int, root: str | None = None) -> str:
@@ -42,30 +50,114 @@ def _publish(staging: str, final: str) -> str:
     return final
 
 
-def write_full_weights(model: torch.nn.Module, directory: str) -> str:
-    """Every weight of ``model`` (tied aliases named too) as ``directory/model.safetensors``, written atomically.
-    A PEFT model is written as its base with whatever is merged into it (``merge_adapter`` first)."""
-    peft = hasattr(model, "get_base_model")
-    base = model.get_base_model() if peft else model
-    aliases = tied_weight_aliases(base)
-    tensors = {}
-    for name, parameter in base.state_dict().items():
-        if peft:  # a merged PEFT model: its layers' own weights, under the checkpoint's names
-            if "lora_" in name or ".original_module." in name:
-                continue
-            name = name.replace(".base_layer", "").replace(".modules_to_save.default", "")
-        tensors[name] = parameter.detach().to("cpu").contiguous()
-    for source, alias in aliases.items():
+def _checkpoint_name(name: str, peft: bool) -> str | None:
+    """A base model's state-dict key under the name vLLM loads (None: an adapter tensor, not part of the model)."""
+    if not peft:
+        return name
+    if "lora_" in name or ".original_module." in name:
+        return None
+    return name.replace(".base_layer", "").replace(".modules_to_save.default", "")
+
+
+def _with_aliases(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    for source, alias in tied_weight_aliases(model).items():
         tensors[alias] = tensors[source].clone()  # safetensors stores no shared storage
+    return tensors
+
+
+def save_full_weights(tensors: dict[str, torch.Tensor], directory: str) -> str:
+    """``tensors`` as ``directory/model.safetensors``, written atomically."""
     staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(os.path.abspath(directory)))
     save_file(tensors, os.path.join(staging, WEIGHTS_FILE))
     return _publish(staging, directory)
+
+
+def write_full_weights(model: torch.nn.Module, directory: str) -> str:
+    """Every weight of ``model`` (tied aliases named too) as ``directory/model.safetensors``, written atomically.
+    A PEFT model is written as its base with whatever is merged into it (``merge_adapter`` first). Not for FSDP2
+    (``gathered_full_weights``)."""
+    peft = hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
+    tensors = {}
+    for name, parameter in base.state_dict().items():
+        # A merged PEFT model: its layers' own weights, under the checkpoint's names.
+        name = _checkpoint_name(name, peft)
+        if name is not None:
+            tensors[name] = parameter.detach().to("cpu").contiguous()
+    return save_full_weights(_with_aliases(tensors, base), directory)
+
+
+def merged_lora_weight(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
+    """The whole weight of a LoRA ``Linear`` with ``adapter`` merged (W + scaling * B @ A, as PEFT's
+    ``get_delta_weight``), from gathered tensors: every rank calls it under FSDP2."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    if not isinstance(layer, LoraLinear) or layer.use_dora.get(adapter) or layer.lora_bias.get(adapter):
+        raise ValueError(
+            f"{type(layer).__name__} with adapter {adapter!r}: under FSDP2 the merged weights are computed for "
+            "LoRA Linear layers only (no DoRA, no lora_bias). Send the adapter instead (vllm_sync_mode='lora')."
+        )
+    weight = unsharded(layer.base_layer.weight.detach())
+    lora_a = unsharded(layer.lora_A[adapter].weight.detach()).float()
+    lora_b = unsharded(layer.lora_B[adapter].weight.detach()).float()
+    delta = (lora_b @ lora_a) * layer.scaling[adapter]
+    if layer.fan_in_fan_out:
+        delta = delta.T
+    return (weight.float() + delta).to(weight.dtype)
+
+
+def gathered_full_weights(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """``write_full_weights``'s tensors from an FSDP2-sharded model (a PEFT one with its active adapter merged):
+    every rank calls it; the ranks with ``keep`` get the tensors, the others an empty dict."""
+    peft = hasattr(model, "get_base_model")
+    base = model.get_base_model() if peft else model
+    adapter = model.active_adapter if peft else None
+    merged_layers = {}
+    if peft:
+        from peft.tuners.lora import LoraLayer
+
+        merged_layers = {
+            f"{name}.base_layer.weight": module
+            for name, module in base.named_modules()
+            if isinstance(module, LoraLayer) and adapter in module.lora_A
+        }
+    tensors = {}
+    for name, parameter in base.state_dict().items():
+        target = _checkpoint_name(name, peft)
+        if target is None:
+            continue
+        layer = merged_layers.get(name)
+        tensor = merged_lora_weight(layer, adapter) if layer is not None else unsharded(parameter.detach())
+        if keep:
+            tensors[target] = tensor.to("cpu").contiguous()
+    return _with_aliases(tensors, base) if keep else {}
 
 
 def write_adapter(model: torch.nn.Module, directory: str) -> str:
     """A PEFT model's adapter (``save_pretrained``: config and weights) in ``directory``, written atomically."""
     staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(os.path.abspath(directory)))
     model.save_pretrained(staging)
+    return _publish(staging, directory)
+
+
+def gathered_adapter(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """The active adapter's tensors of an FSDP2-sharded PEFT model, gathered (every rank calls it; the ranks with
+    ``keep`` get them)."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    tensors = {name: unsharded(tensor.detach()) for name, tensor in state.items()}
+    return {name: tensor.to("cpu").contiguous() for name, tensor in tensors.items()} if keep else {}
+
+
+def save_adapter(model: torch.nn.Module, tensors: dict[str, torch.Tensor], directory: str) -> str:
+    """``save_pretrained``'s files for gathered adapter ``tensors`` (``gathered_adapter``), written atomically."""
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(os.path.abspath(directory)))
+    config = model.peft_config[model.active_adapter].to_dict()
+    config["inference_mode"] = True  # as save_pretrained writes it
+    with open(os.path.join(staging, "adapter_config.json"), "w") as handle:
+        json.dump(config, handle, default=lambda value: sorted(value) if isinstance(value, set) else str(value))
+    save_file(tensors, os.path.join(staging, ADAPTER_FILE), metadata={"format": "pt"})
     return _publish(staging, directory)
 
 
