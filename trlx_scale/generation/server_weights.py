@@ -20,7 +20,6 @@ rank that writes needs the whole merged tensor anyway.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -29,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..compat.vllm_weight_reload import tied_weight_aliases
-from .weight_sync import ram_backed_directory, unsharded
+from .weight_sync import ram_backed_directory, unsharded, write_adapter_config
 
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name for the weights save_pretrained writes
@@ -92,7 +91,11 @@ def merged_lora_weight(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
     ``get_delta_weight``), from gathered tensors: every rank calls it under FSDP2."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    if not isinstance(layer, LoraLinear) or layer.use_dora.get(adapter) or layer.lora_bias.get(adapter):
+    if (
+        not isinstance(layer, LoraLinear)
+        or layer.use_dora.get(adapter)
+        or getattr(layer, "lora_bias", {}).get(adapter)
+    ):
         raise ValueError(
             f"{type(layer).__name__} with adapter {adapter!r}: under FSDP2 the merged weights are computed for "
             "LoRA Linear layers only (no DoRA, no lora_bias). Send the adapter instead (vllm_sync_mode='lora')."
@@ -153,10 +156,7 @@ def gathered_adapter(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tens
 def save_adapter(model: torch.nn.Module, tensors: dict[str, torch.Tensor], directory: str) -> str:
     """``save_pretrained``'s files for gathered adapter ``tensors`` (``gathered_adapter``), written atomically."""
     staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(os.path.abspath(directory)))
-    config = model.peft_config[model.active_adapter].to_dict()
-    config["inference_mode"] = True  # as save_pretrained writes it
-    with open(os.path.join(staging, "adapter_config.json"), "w") as handle:
-        json.dump(config, handle, default=lambda value: sorted(value) if isinstance(value, set) else str(value))
+    write_adapter_config(os.path.join(staging, "adapter_config.json"), model, model.active_adapter)
     save_file(tensors, os.path.join(staging, ADAPTER_FILE), metadata={"format": "pt"})
     return _publish(staging, directory)
 

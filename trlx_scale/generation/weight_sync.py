@@ -23,7 +23,6 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -168,10 +167,10 @@ class LoRAAdapterSync:
         with torch.no_grad(), self.gather_params(self.lora_parameters()):
             state = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
             tensors = {name: unsharded(t).detach().to("cpu", self.dtype).contiguous() for name, t in state.items()}
-        config = self.config.to_dict()
-        config["base_model_name_or_path"] = self.model.get_base_model().name_or_path
-        config["inference_mode"] = True
-        replace_atomically(os.path.join(self.directory, "adapter_config.json"), lambda p: _write_json(p, config))
+        replace_atomically(
+            os.path.join(self.directory, "adapter_config.json"),
+            lambda path: write_adapter_config(path, self.model, self.adapter),
+        )
         replace_atomically(os.path.join(self.directory, "adapter_model.safetensors"), lambda p: save_file(tensors, p))
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -197,9 +196,13 @@ def unsharded(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _write_json(path: str, payload: dict[str, Any]) -> None:
-    with open(path, "w") as handle:
-        json.dump(payload, handle, default=str)
+def write_adapter_config(path: str, model: torch.nn.Module, adapter: str) -> None:
+    """``adapter``'s ``adapter_config.json`` as PEFT's ``save_pretrained`` writes it (what vLLM reads)."""
+    config = model.peft_config[adapter].to_dict()
+    config["base_model_name_or_path"] = model.get_base_model().name_or_path
+    config["inference_mode"] = True
+    with open(path, "w") as handle:  # sets (target_modules) as lists, as PEFT writes them
+        json.dump(config, handle, default=lambda value: sorted(value) if isinstance(value, set) else str(value))
 
 
 def full_weight_stream(
