@@ -299,16 +299,27 @@ def run_learning(cli) -> None:
         f"learning: embedded task, {cli.learning_steps} steps x 128 samples, seeds {cli.seeds}, "
         f"eval_size {cli.eval_size or 'the whole held-out split'}"
     )
-    print("| trainer | max_staleness | correction | held-out accuracy after (per seed) | median | vs sync |")
-    print("|---|---|---|---|---|---|")
-    sync = statistics.median(results[("sync", 0, True)])
+    print(
+        "| trainer | max_staleness | correction | held-out accuracy after (per seed) | median | mean | vs sync "
+        "(medians) | per-seed difference to sync (mean) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    sync_values = results[("sync", 0, True)]
+    sync = statistics.median(sync_values)
     for kind, staleness, correction in settings:
         values = results[(kind, staleness, correction)]
         label = "GRPOTrainer (colocated)" if kind == "sync" else "AsyncGRPOTrainer"
         median = statistics.median(values)
+        differences = [value - base for value, base in zip(values, sync_values, strict=True)]
+        shown = (
+            "-"
+            if kind == "sync"
+            else f"{', '.join(f'{d:+.1f}' for d in differences)} ({statistics.mean(differences):+.1f})"
+        )
         print(
             f"| {label} | {'-' if kind == 'sync' else staleness} | {'on' if correction else 'off'} | "
-            f"{', '.join(f'{v:.1f}' for v in values)} | {median:.1f}% | {median - sync:+.1f} |"
+            f"{', '.join(f'{v:.1f}' for v in values)} | {median:.1f}% | {statistics.mean(values):.1f}% | "
+            f"{median - sync:+.1f} | {shown} |"
         )
     if cli.json_out:
         with open(cli.json_out, "w") as handle:

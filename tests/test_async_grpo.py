@@ -261,6 +261,7 @@ def test_fsdp2_sharded_policies_reach_the_server_verified(server, tmp_path):
         assert variant["same_names"] and variant["max_abs_diff"] <= 1e-6, (name, variant)
         assert variant["gap_v0"] < 1e-3 and variant["gap_v1"] < 1e-3, (name, variant)
         assert variant["probe_moved"] > 1e-2, (name, variant)
+        assert variant["root_unsharded_at_send"], (name, variant)  # the state a send after a forward meets
 
 
 def test_a_server_that_dies_mid_run_stops_the_run_with_its_exit(default_model_dir, tmp_path):

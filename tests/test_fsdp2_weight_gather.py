@@ -13,10 +13,10 @@ from trlx_scale.generation import server_weights
 from .helpers.launch import run_torchrun_report
 
 
-def _lora(model, **config):
+def _lora(model, target_modules="all-linear", **config):
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", **config))
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=target_modules, **config))
     with torch.no_grad():  # non-zero B: the merge is not trivially the base
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
@@ -30,7 +30,6 @@ def test_gathered_merge_equals_peft_merge(default_model, tmp_path):
     base = {name: tensor.clone() for name, tensor in default_model.state_dict().items()}
     model = _lora(default_model)
     gathered = server_weights.gathered_full_weights(model, keep=True)
-    assert server_weights.gathered_full_weights(model, keep=False) == {}
     model.merge_adapter()
     path = server_weights.write_full_weights(model, str(tmp_path / "merged"))
     expected = load_file(f"{path}/{server_weights.WEIGHTS_FILE}")
@@ -39,10 +38,16 @@ def test_gathered_merge_equals_peft_merge(default_model, tmp_path):
     assert any((expected[name] - base[name]).abs().max().item() > 1e-3 for name in base)  # the adapter is in it
 
 
-def test_gathered_merge_refuses_what_it_cannot_merge(default_model):
-    """DoRA's merge needs the weight norm: the FSDP2 path refuses it and names the way out."""
-    model = _lora(default_model, use_dora=True)
-    with pytest.raises(ValueError, match="vllm_sync_mode='lora'"):
+@pytest.mark.parametrize(
+    "config",
+    [{"use_dora": True}, {"target_modules": ["embed_tokens", "q_proj"]}],
+    ids=["dora", "lora_on_embeddings"],
+)
+def test_gathered_merge_refuses_what_it_cannot_merge(default_model, config):
+    """DoRA's merge needs the weight norm, and LoRA on embeddings keeps its adapter elsewhere: the FSDP2 path
+    refuses both (before any gather) and names the ways out, instead of writing a base without their delta."""
+    model = _lora(default_model, **config)
+    with pytest.raises(ValueError, match="not plain LoRA on a linear layer.*ZeRO-3 or DDP"):
         server_weights.gathered_full_weights(model, keep=True)
 
 

@@ -5,8 +5,9 @@ server: full weights, a LoRA policy merged into full weights, and the LoRA adapt
 
 - version 0's files are those of the same model unsharded (the gathered, merged tensors equal to what PEFT's own
   ``merge_adapter`` gives on one process), and the server verifies them (the probe, within 1e-3 in fp32);
-- one optimizer step later, version 1 is sent and verified too, and the probe's log-probs moved by more than the
-  tolerance, so the verification tells the two versions apart.
+- one optimizer step later, version 1 is sent (after a forward, which leaves FSDP2's root parameters unsharded)
+  and verified too, and the probe's log-probs moved by more than the tolerance, so the verification tells the two
+  versions apart.
 
 Writes a JSON report from rank 0."""
 
@@ -69,8 +70,6 @@ def run_variant(accelerator: Accelerator, url: str, name: str) -> dict:
     kind, sync_mode = VARIANTS[name]
     restore_base(accelerator, url)
     model = build_fsdp2_model(kind, False)
-    # Before any forward: FSDP2 keeps the root module's parameters unsharded after one (plain tensors until the next
-    # backward), which the gathers handle as they are.
     report = {"sharded": all(isinstance(p, DTensor) for p in model.parameters())}
     client = VLLMServerClient(
         [url], model=default_model_path(), sampling=SamplingSettings(4), request_timeout=120, lora=sync_mode == "lora"
@@ -115,6 +114,11 @@ def run_variant(accelerator: Accelerator, url: str, name: str) -> dict:
                 report["max_abs_diff"] = max((written[k] - reference[k]).abs().max().item() for k in reference)
         report["gap_v0"] = generation.pop_metrics()["sync/probe_logprob_gap"] if accelerator.is_main_process else None
         one_step(model)
+        # FSDP2 keeps the root module's parameters unsharded after a forward (plain tensors until the next
+        # backward). Version 1 is sent from that state: every rank must still gather alike.
+        with torch.no_grad():
+            model(input_ids=torch.tensor([PROBE]), use_cache=False)
+        report["root_unsharded_at_send"] = not all(isinstance(p, DTensor) for p in model.parameters())
         version["current"] = 1
         generation.ensure_version(1)
         report["probe_moved"] = (generation._last_probe - probe_0).abs().max().item()

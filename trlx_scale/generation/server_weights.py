@@ -86,24 +86,47 @@ def write_full_weights(model: torch.nn.Module, directory: str) -> str:
     return save_full_weights(_with_aliases(tensors, base), directory)
 
 
-def merged_lora_weight(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
-    """The whole weight of a LoRA ``Linear`` with ``adapter`` merged (W + scaling * B @ A, as PEFT's
-    ``get_delta_weight``), from gathered tensors: every rank calls it under FSDP2."""
+def _adapter_layers(base: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Module]:
+    """``{state-dict key of the base weight: layer}`` for every PEFT tuner layer holding ``adapter``. Raises, before
+    any collective (every rank raises alike), unless each is a plain LoRA ``Linear``: the merge below is
+    W + scaling * B @ A, which DoRA and the other LoRA variants, ``lora_bias`` and LoRA on embeddings are not."""
     from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
-    if (
-        not isinstance(layer, LoraLinear)
-        or layer.use_dora.get(adapter)
-        or getattr(layer, "lora_bias", {}).get(adapter)
-    ):
-        raise ValueError(
-            f"{type(layer).__name__} with adapter {adapter!r}: under FSDP2 the merged weights are computed for "
-            "LoRA Linear layers only (no DoRA, no lora_bias). Send the adapter instead (vllm_sync_mode='lora')."
+    layers = {}
+    for name, module in base.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        holds = any(adapter in getattr(module, attr, {}) for attr in module.adapter_layer_names)
+        if not holds:
+            continue
+        plain = (
+            isinstance(module, LoraLinear)
+            and adapter not in module.lora_variant
+            and not module.use_dora.get(adapter)
+            and not module.lora_bias.get(adapter)
         )
+        if not plain:
+            raise ValueError(
+                f"{name} ({type(module).__name__}, adapter {adapter!r}) is not plain LoRA on a linear layer: under "
+                "FSDP2 the asynchronous trainer sends a LoRA policy merged from gathered tensors, which it computes "
+                "for plain LoRA Linear layers only (no DoRA or other variant, no lora_bias, no LoRA on embeddings "
+                "or the LM head). Use plain LoRA on linear layers (vllm_sync_mode='lora' sends it as an adapter), "
+                "or train this adapter under ZeRO-3 or DDP."
+            )
+        layers[f"{name}.base_layer.weight"] = module
+    return layers
+
+
+def merged_lora_weight(layer: torch.nn.Module, adapter: str, keep: bool) -> torch.Tensor | None:
+    """The whole weight of a plain LoRA ``Linear`` with ``adapter`` merged (W + scaling * B @ A, as PEFT's
+    ``get_delta_weight``). Every rank gathers (collectives under FSDP2); the ranks with ``keep`` compute it."""
     weight = unsharded(layer.base_layer.weight.detach())
-    lora_a = unsharded(layer.lora_A[adapter].weight.detach()).float()
-    lora_b = unsharded(layer.lora_B[adapter].weight.detach()).float()
-    delta = (lora_b @ lora_a) * layer.scaling[adapter]
+    lora_a = unsharded(layer.lora_A[adapter].weight.detach())
+    lora_b = unsharded(layer.lora_B[adapter].weight.detach())
+    if not keep:
+        return None
+    delta = (lora_b.float() @ lora_a.float()) * layer.scaling[adapter]
     if layer.fan_in_fan_out:
         delta = delta.T
     return (weight.float() + delta).to(weight.dtype)
@@ -111,26 +134,23 @@ def merged_lora_weight(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
 
 def gathered_full_weights(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
     """``write_full_weights``'s tensors from an FSDP2-sharded model (a PEFT one with its active adapter merged):
-    every rank calls it; the ranks with ``keep`` get the tensors, the others an empty dict."""
+    every rank calls it; the ranks with ``keep`` get the tensors, the others an empty dict. Each tensor is gathered
+    once: a tied alias is a copy of its source, made where kept."""
     peft = hasattr(model, "get_base_model")
     base = model.get_base_model() if peft else model
     adapter = model.active_adapter if peft else None
-    merged_layers = {}
-    if peft:
-        from peft.tuners.lora import LoraLayer
-
-        merged_layers = {
-            f"{name}.base_layer.weight": module
-            for name, module in base.named_modules()
-            if isinstance(module, LoraLayer) and adapter in module.lora_A
-        }
+    merged_layers = _adapter_layers(base, adapter) if peft else {}
+    aliases = set(tied_weight_aliases(base).values())
     tensors = {}
     for name, parameter in base.state_dict().items():
         target = _checkpoint_name(name, peft)
-        if target is None:
+        if target is None or target in aliases:
             continue
         layer = merged_layers.get(name)
-        tensor = merged_lora_weight(layer, adapter) if layer is not None else unsharded(parameter.detach())
+        if layer is not None:
+            tensor = merged_lora_weight(layer, adapter, keep)
+        else:
+            tensor = unsharded(parameter.detach())
         if keep:
             tensors[target] = tensor.to("cpu").contiguous()
     return _with_aliases(tensors, base) if keep else {}

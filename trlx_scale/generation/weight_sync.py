@@ -40,10 +40,12 @@ LORA_ADAPTER_ID = 1  # one fixed slot, replaced in place on every update
 
 
 def is_fsdp2_sharded(model: torch.nn.Module) -> bool:
-    """FSDP2 (``fully_shard``) replaces parameters by DTensors."""
-    from torch.distributed.tensor import DTensor
+    """Whether ``fully_shard`` (FSDP2) manages any of the model's modules. Not "are its parameters DTensors": after a
+    forward FSDP2 may leave them unsharded, plain tensors, until the next backward (the root module's always), and a
+    rank that then took a non-FSDP2 path alone would leave the others waiting in a collective."""
+    from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def vllm_max_lora_rank(rank: int) -> int | None:
