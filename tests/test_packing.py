@@ -8,6 +8,7 @@ the losses, which average those differences, agree to 1e-6 relative in fp32, the
 
 import contextlib
 import copy
+import random
 
 import pytest
 import torch
@@ -148,6 +149,24 @@ def test_row_width_trades_the_last_rows_slack_against_wider_attention():
     # A forward's token limit caps the width; the longest sample always fits.
     assert longest <= choose_row_width(lengths, coefficient=6272.0, max_width=longest + 10) <= longest + 10
     assert choose_row_width([5], coefficient=10.0) == 5
+
+
+def test_row_width_is_the_cheapest_of_every_width_for_short_rows():
+    # Widths under 128 are all scanned: the choice is the exhaustive minimum of the estimate, ties to the narrower,
+    # with first-fit-decreasing's layout computed the planner's way (plan_micro_batches).
+    generator = random.Random(0)
+    for trial in range(40):
+        lengths = [generator.randint(1, 30) for _ in range(generator.randint(1, 150))]
+        coefficient = generator.choice([0.0, 40.0, 700.0])
+        longest = max(lengths)
+
+        def estimate(width, lengths=lengths, coefficient=coefficient):
+            bins = plan_micro_batches(lengths, max_tokens=width).micro_batches[0]
+            fullest = max(sum(lengths[i] for i in b) for b in bins)
+            return len(bins) * fullest * (coefficient + fullest)
+
+        exhaustive = min(range(longest, 2 * longest + 1), key=lambda width: (estimate(width), width))
+        assert choose_row_width(lengths, coefficient) == exhaustive, (trial, lengths, coefficient)
 
 
 def test_packed_rows_hold_only_real_tokens_and_positions_restart():

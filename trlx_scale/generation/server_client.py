@@ -112,6 +112,9 @@ class VLLMServerClient:
         self.full_weights_version: int = 0  # the base weights the servers started with are version 0
         self.loaded_adapters: dict[int, str] = {}
         self._async_client: httpx.AsyncClient | None = None
+        # Made once: without it httpx builds a TLS context per request, reading the CA bundle each time (about
+        # 20 ms, against 1-2 ms for the request itself on localhost); a full-weight update makes five requests.
+        self._tls = httpx.create_ssl_context()
 
     # ---------------------------------------------------------------- errors
     def _server_alive(self) -> bool:
@@ -149,7 +152,7 @@ class VLLMServerClient:
 
     def _request(self, method: str, url: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
         try:
-            response = httpx.request(method, url + path, timeout=self.request_timeout, **kwargs)
+            response = httpx.request(method, url + path, timeout=self.request_timeout, verify=self._tls, **kwargs)
         except httpx.HTTPError as error:
             raise self._failure(url, error) from error
         self._check_status(url, response, what)
@@ -200,7 +203,7 @@ class VLLMServerClient:
             **self.sampling.body(),
         }
         if self._async_client is None:  # made on the producer's event loop, which it then belongs to
-            self._async_client = httpx.AsyncClient(timeout=self.request_timeout)
+            self._async_client = httpx.AsyncClient(timeout=self.request_timeout, verify=self._tls)
         for attempt in range(TRANSPORT_RETRIES + 1):
             try:
                 response = await self._async_client.post(url + "/v1/completions", json=body)
