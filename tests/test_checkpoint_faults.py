@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 from trlx_scale.reliability import CHECKPOINT_COMPLETE_MARKER, is_complete_checkpoint, latest_complete_checkpoint
 from trlx_scale.reliability.checkpoints import resolve_resume_checkpoint
 
-from .helpers.launch import REPO_ROOT, launch_env
+from .helpers.launch import REPO_ROOT, kill_process_tree, launch_env
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "scripts", "interrupted_run.py")
 
@@ -26,35 +25,6 @@ def _command(output_dir, *extra, processes: int = 1, port: int = 29581) -> list[
         return [sys.executable, SCRIPT, str(output_dir), *extra]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     return [*launcher, "--master_port", str(port), SCRIPT, str(output_dir), *extra]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun starts its workers in sessions of their own, out of its process group)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _kill_everything(process: subprocess.Popen) -> None:
-    """kill -9 the run: the launcher and every process it started."""
-    for pid in [process.pid, *_descendants(process.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    process.wait(timeout=60)
 
 
 def _run_until_stalled_then_kill(command, output_dir, timeout: float = 300) -> None:
@@ -68,10 +38,10 @@ def _run_until_stalled_then_kill(command, output_dir, timeout: float = 300) -> N
             with open(log.name) as handle:
                 raise AssertionError(f"the run ended before stalling:\n{handle.read()[-4000:]}")
         if time.monotonic() > deadline:
-            _kill_everything(process)
+            kill_process_tree(process)
             raise AssertionError("the run never reached its stall point")
         time.sleep(0.2)
-    _kill_everything(process)
+    kill_process_tree(process)
     log.close()
     os.remove(sentinel)
 

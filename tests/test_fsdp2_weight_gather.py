@@ -84,3 +84,26 @@ def test_fsdp2_sharded_full_policy_streams_unsharded_weights(tmp_path):
     assert report["sharded"] and report["same_names"] and report["all_full_shape"]
     assert report["max_abs_diff_bf16"] == 0.0 and report["dtypes"] == ["torch.bfloat16"]
     assert report["bytes"] == report["expected_bytes"]
+
+
+def test_full_weights_are_written_in_the_servers_dtype(default_model, tmp_path):
+    """fp32 master weights sent to a bf16 server: the file holds bf16 tensors (half the bytes), each the trainer's
+    weight rounded once, from both writers (the gathered FSDP2 one and the unsharded one)."""
+    model = _lora(default_model)
+    gathered = server_weights.gathered_full_weights(model, keep=True)
+    assert all(t.dtype == torch.float32 for t in gathered.values())
+    sharded = server_weights.save_full_weights(gathered, str(tmp_path / "gathered"), torch.bfloat16)
+    model.merge_adapter()
+    plain = server_weights.write_full_weights(model, str(tmp_path / "plain"), torch.bfloat16)
+    full = server_weights.write_full_weights(model, str(tmp_path / "full"))
+    fp32 = load_file(f"{full}/{server_weights.WEIGHTS_FILE}")
+    for directory, ulps in ((plain, 0), (sharded, 1)):  # the gathered merge is fp32-close: may round one ulp apart
+        written = load_file(f"{directory}/{server_weights.WEIGHTS_FILE}")
+        assert sorted(written) == sorted(fp32)
+        assert all(written[name].dtype == torch.bfloat16 for name in written)
+        for name, tensor in fp32.items():
+            torch.testing.assert_close(written[name], tensor.to(torch.bfloat16), rtol=ulps * 2**-7, atol=0)
+    bf16_bytes = sum(
+        t.numel() * t.element_size() for t in load_file(f"{plain}/{server_weights.WEIGHTS_FILE}").values()
+    )
+    assert bf16_bytes * 2 == sum(t.numel() * t.element_size() for t in fp32.values())

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import pytest
 
 from trlx_scale.reliability import is_complete_checkpoint, latest_complete_checkpoint
 
-from .helpers.launch import REPO_ROOT, launch_env
+from .helpers.launch import REPO_ROOT, kill_process_tree, launch_env
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "distributed", "sharded_checkpoint_run.py")
 
@@ -92,8 +91,7 @@ def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_in_us
         assert process.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
         assert time.monotonic() < deadline, "the run never reached its second save"
         time.sleep(0.1)
-    os.killpg(process.pid, signal.SIGKILL)  # the launcher and both ranks, mid-write
-    process.wait(timeout=60)
+    kill_process_tree(process)  # the launcher and both ranks, mid-write
     log.close()
     assert (tmp_path / "run" / "checkpoint-2").is_dir()
     assert not is_complete_checkpoint(str(tmp_path / "run" / "checkpoint-2"))  # no marker: never resumed from

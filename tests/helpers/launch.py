@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -50,3 +51,33 @@ def run_torchrun_report(script: str, report_path, port: int, arguments: list[str
     assert result.returncode == 0, result.stderr[-4000:]
     with open(report_path) as handle:
         return json.load(handle)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own, out of its process group)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def kill_process_tree(process: subprocess.Popen) -> None:
+    """kill -9 a run as a preemption does: the launcher and every process below it (``os.killpg`` misses the ranks
+    torchrun starts in sessions of their own, which then live on after the test)."""
+    for pid in [process.pid, *_descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait(timeout=60)

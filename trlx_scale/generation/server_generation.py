@@ -66,6 +66,7 @@ class ServerGeneration:
         weights_root: str | None = None,
         server_process: VLLMServerProcess | None = None,
         before_publish: Callable[[int], None] | None = None,
+        weights_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.accelerator = accelerator
@@ -78,6 +79,7 @@ class ServerGeneration:
         self.request_timeout = request_timeout
         self.server_process = server_process
         self.before_publish = before_publish  # the trainer's prompt prefetch for the groups a version admits
+        self.weights_dtype = weights_dtype  # the servers' dtype: full weights are written in it
         self.sync_mode = "lora" if client.lora else "full"
         self.served_version: int | None = None
         self.phase_timer = PhaseTimer(enabled=False)
@@ -139,11 +141,11 @@ class ServerGeneration:
                     elif is_peft_model(model):
                         model.merge_adapter()
                         try:
-                            server_weights.write_full_weights(model, path)
+                            server_weights.write_full_weights(model, path, self.weights_dtype)
                         finally:
                             model.unmerge_adapter()
                     else:
-                        server_weights.write_full_weights(model, path)
+                        server_weights.write_full_weights(model, path, self.weights_dtype)
                     self._version_dirs[version] = path
         paused = 0.0
         if self.accelerator.is_main_process:
@@ -166,7 +168,7 @@ class ServerGeneration:
             if self.sync_mode == "lora":
                 server_weights.save_adapter(model, tensors, path)
             else:
-                server_weights.save_full_weights(tensors, path)
+                server_weights.save_full_weights(tensors, path, self.weights_dtype)
             self._version_dirs[version] = path
 
     @staticmethod

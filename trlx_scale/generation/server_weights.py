@@ -64,17 +64,20 @@ def _with_aliases(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> d
     return tensors
 
 
-def save_full_weights(tensors: dict[str, torch.Tensor], directory: str) -> str:
-    """``tensors`` as ``directory/model.safetensors``, written atomically."""
+def save_full_weights(tensors: dict[str, torch.Tensor], directory: str, dtype: torch.dtype | None = None) -> str:
+    """``tensors`` as ``directory/model.safetensors``, written atomically; floating-point ones in ``dtype`` when
+    given: the server's (fp32 master weights sent to a bf16 server would be files twice the size it loads)."""
+    if dtype is not None:
+        tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
     staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(os.path.abspath(directory)))
     save_file(tensors, os.path.join(staging, WEIGHTS_FILE))
     return _publish(staging, directory)
 
 
-def write_full_weights(model: torch.nn.Module, directory: str) -> str:
-    """Every weight of ``model`` (tied aliases named too) as ``directory/model.safetensors``, written atomically.
-    A PEFT model is written as its base with whatever is merged into it (``merge_adapter`` first). Not for FSDP2
-    (``gathered_full_weights``)."""
+def write_full_weights(model: torch.nn.Module, directory: str, dtype: torch.dtype | None = None) -> str:
+    """Every weight of ``model`` (tied aliases named too) as ``directory/model.safetensors``, written atomically,
+    in ``dtype`` if given (``save_full_weights``). A PEFT model is written as its base with whatever is merged into
+    it (``merge_adapter`` first). Not for FSDP2 (``gathered_full_weights``)."""
     peft = hasattr(model, "get_base_model")
     base = model.get_base_model() if peft else model
     tensors = {}
@@ -83,7 +86,7 @@ def write_full_weights(model: torch.nn.Module, directory: str) -> str:
         name = _checkpoint_name(name, peft)
         if name is not None:
             tensors[name] = parameter.detach().to("cpu").contiguous()
-    return save_full_weights(_with_aliases(tensors, base), directory)
+    return save_full_weights(_with_aliases(tensors, base), directory, dtype)
 
 
 def _adapter_layers(base: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Module]:

@@ -278,6 +278,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             request_timeout=args.request_timeout,
             server_process=process,
             before_publish=self._prefetch_prompts,
+            weights_dtype=getattr(torch, self._server_dtype()),
         )
         engine.phase_timer = self.phase_timer
         return engine
