@@ -250,14 +250,15 @@ def run_server(cli) -> None:
             json.dump({"args": vars(cli), "summary": summary, "runs": raw}, handle, indent=1)
 
 
-def _learning_setting(text: str) -> tuple[str, int, bool]:
-    """'sync', or 'async:S:on' / 'async:S:off' (max_staleness S, the correction on or off)."""
+def _learning_setting(text: str) -> tuple[str, int, bool, str | None]:
+    """'sync', or 'async:S:on' / 'async:S:off' (max_staleness S, the correction on or off), optionally ':MODE' (the
+    correction's vllm_importance_sampling_mode; unset: AsyncGRPOConfig's default)."""
     if text == "sync":
-        return ("sync", 0, True)
-    kind, staleness, correction = text.split(":")
-    if kind != "async" or correction not in ("on", "off"):
-        raise ValueError(f"--learning-settings: {text!r} is not 'sync' or 'async:S:on|off'.")
-    return ("async", int(staleness), correction == "on")
+        return ("sync", 0, True, None)
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or parts[0] != "async" or parts[2] not in ("on", "off"):
+        raise ValueError(f"--learning-settings: {text!r} is not 'sync' or 'async:S:on|off[:MODE]'.")
+    return ("async", int(parts[1]), parts[2] == "on", parts[3] if len(parts) == 4 else None)
 
 
 def run_learning(cli) -> None:
@@ -275,23 +276,25 @@ def run_learning(cli) -> None:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1")
     with VLLMServerProcess(launch, startup_timeout=600) as server, tempfile.TemporaryDirectory() as workdir:
         for seed in cli.seeds:
-            for kind, staleness, correction in settings:
-                out = os.path.join(workdir, f"{kind}-{staleness}-{correction}-{seed}")
+            for kind, staleness, correction, mode in settings:
+                out = os.path.join(workdir, f"{kind}-{staleness}-{correction}-{mode}-{seed}")
                 script = os.path.join(root, "examples", "grpo.py" if kind == "sync" else "async_grpo.py")
                 command = [sys.executable, script, "--seed", str(seed), "--max_steps", str(cli.learning_steps)]
                 command += ["--output_dir", out, "--eval_every_steps", "0", "--eval_size", str(cli.eval_size)]
                 if kind == "async":
                     command += ["--max_staleness", str(staleness), "--vllm_server_base_url", server.url]
                     command += ["--vllm_importance_sampling_correction", str(correction)]
+                    if mode is not None:
+                        command += ["--vllm_importance_sampling_mode", mode]
                 done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
                 if done.returncode != 0:
                     raise RuntimeError(f"{command} failed:\n{done.stderr[-3000:]}")
                 with open(os.path.join(out, "run_summary.json")) as handle:
                     summary = json.load(handle)
                 gain = 100 * (summary["accuracy_after"] - summary["accuracy_before"])
-                results.setdefault((kind, staleness, correction), []).append(100 * summary["accuracy_after"])
+                results.setdefault((kind, staleness, correction, mode), []).append(100 * summary["accuracy_after"])
                 print(
-                    f"seed {seed} {kind} s={staleness} correction={correction}: after "
+                    f"seed {seed} {kind} s={staleness} correction={correction} mode={mode or 'default'}: after "
                     f"{100 * summary['accuracy_after']:.1f}% (gain {gain:+.1f})",
                     file=sys.stderr,
                 )
@@ -304,10 +307,10 @@ def run_learning(cli) -> None:
         "(medians) | per-seed difference to sync (mean) |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    sync_values = results[("sync", 0, True)]
+    sync_values = results[("sync", 0, True, None)]
     sync = statistics.median(sync_values)
-    for kind, staleness, correction in settings:
-        values = results[(kind, staleness, correction)]
+    for kind, staleness, correction, mode in settings:
+        values = results[(kind, staleness, correction, mode)]
         label = "GRPOTrainer (colocated)" if kind == "sync" else "AsyncGRPOTrainer"
         median = statistics.median(values)
         differences = [value - base for value, base in zip(values, sync_values, strict=True)]
@@ -317,7 +320,8 @@ def run_learning(cli) -> None:
             else f"{', '.join(f'{d:+.1f}' for d in differences)} ({statistics.mean(differences):+.1f})"
         )
         print(
-            f"| {label} | {'-' if kind == 'sync' else staleness} | {'on' if correction else 'off'} | "
+            f"| {label} | {'-' if kind == 'sync' else staleness} | {'on' if correction else 'off'}"
+            f"{'' if mode is None else ' (' + mode + ')'} | "
             f"{', '.join(f'{v:.1f}' for v in values)} | {median:.1f}% | {statistics.mean(values):.1f}% | "
             f"{median - sync:+.1f} | {shown} |"
         )
@@ -347,7 +351,8 @@ def main() -> None:
         "--learning-settings",
         nargs="+",
         default=["sync", "async:0:on", "async:1:on", "async:1:off", "async:4:on", "async:4:off"],
-        help="the --learning runs: 'sync', or 'async:S:on|off' (max_staleness S, the correction on or off)",
+        help="the --learning runs: 'sync', or 'async:S:on|off[:MODE]' (max_staleness S, the correction on or off, "
+        "optionally its vllm_importance_sampling_mode)",
     )
     parser.add_argument("--server-steps", type=int, default=12, help="steps of each --server run (3..N timed)")
     parser.add_argument("--one-server-config", nargs=6, default=None, help=argparse.SUPPRESS)  # internal

@@ -80,12 +80,13 @@ def test_staleness_is_bounded_and_every_version_verified(default_model_dir, tmp_
     2-3 come from versions two older; every version sent was verified by the probe (its gap is logged), and each
     row of a rollout carries the version that sampled it."""
     trainer = _async(tmp_path, default_model_dir, max_staleness=2, learning_rate=5e-3)
-    seen_versions = []
+    seen_versions, weights_dtypes = [], []
     original = trainer._finish_rollout
 
     def record(batch):
         batch = original(batch)
         seen_versions.append((trainer.state.global_step, batch.policy_version.tolist()))
+        weights_dtypes.append(trainer.vllm_generation.weights_dtype)
         return batch
 
     trainer._finish_rollout = record
@@ -94,6 +95,7 @@ def test_staleness_is_bounded_and_every_version_verified(default_model_dir, tmp_
     assert all(gap < 1e-3 for gap in logged(trainer, "sync/probe_logprob_gap"))
     assert len(logged(trainer, "sync/probe_logprob_gap")) == 4
     assert seen_versions == [(step, [max(0, step - 2)] * 8) for step in range(4)]
+    assert weights_dtypes == [torch.float32] * 4  # the server it started: full weights written in its dtype
     assert len(logged(trainer, "async/sampler_trainer_kl")) == 4
     assert all(0.0 <= frac <= 1.0 for frac in logged(trainer, "async/behaviour_weight_clip_frac"))
     assert trainer.vllm_generation is None  # closed: producer stopped, server stopped
@@ -123,6 +125,7 @@ def test_lora_versions_are_adapters_of_their_own(server, default_model_dir, defa
 
     def record(batch):
         loaded_counts.append(len(trainer.vllm_generation.client.loaded_adapters))
+        assert trainer.vllm_generation.weights_dtype is None  # a server it did not start: its dtype is unknown
         return original(batch)
 
     trainer._finish_rollout = record

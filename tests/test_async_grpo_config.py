@@ -36,6 +36,17 @@ def test_the_config_implies_a_server_and_reads_several_urls(tmp_path):
     assert small_grpo_config(tmp_path, AsyncGRPOConfig).server_urls == []
 
 
+def test_the_correction_truncates_per_token_by_default_and_per_sequence_under_gspo(tmp_path):
+    """AReaL's truncated token weight, not TRL's sequence mask (chosen by the learning benchmark, docs/benchmarks.md);
+    GSPO's sequence-level objective gets the weight at its level; a mode the user sets is kept; GRPOConfig keeps TRL's."""
+    assert small_grpo_config(tmp_path, AsyncGRPOConfig).vllm_importance_sampling_mode == "token_truncate"
+    gspo = small_grpo_config(tmp_path, AsyncGRPOConfig, loss_recipe="gspo")
+    assert (gspo.importance_sampling_level, gspo.vllm_importance_sampling_mode) == ("sequence", "sequence_truncate")
+    chosen = small_grpo_config(tmp_path, AsyncGRPOConfig, vllm_importance_sampling_mode="sequence_mask")
+    assert chosen.vllm_importance_sampling_mode == "sequence_mask"
+    assert small_grpo_config(tmp_path, GRPOConfig).vllm_importance_sampling_mode == "sequence_mask"
+
+
 def test_the_trainer_refuses_what_the_producer_cannot_run(tmp_path, default_model_dir):
     dataset = addition_dataset("train", size=16)
     with pytest.raises(TypeError, match="needs an AsyncGRPOConfig"):

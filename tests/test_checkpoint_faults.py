@@ -28,7 +28,7 @@ def _command(output_dir, *extra, processes: int = 1, port: int = 29581) -> list[
 
 
 def _run_until_stalled_then_kill(command, output_dir, timeout: float = 300) -> None:
-    """Start the run in its own process group, wait for its stall sentinel, then SIGKILL the whole group."""
+    """Start the run, wait for its stall sentinel, then SIGKILL the launcher and every process below it."""
     log = open(os.path.join(output_dir, "..", f"{os.path.basename(output_dir)}-killed-run.log"), "w")  # noqa: SIM115
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT)
     sentinel = os.path.join(output_dir, "stalled")

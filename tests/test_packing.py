@@ -169,6 +169,30 @@ def test_row_width_is_the_cheapest_of_every_width_for_short_rows():
         assert choose_row_width(lengths, coefficient) == exhaustive, (trial, lengths, coefficient)
 
 
+def test_row_width_of_long_samples_is_no_dearer_than_each_row_counts_narrowest_width():
+    # Above 128 tokens the scan steps over widths: the narrowest width of each row count (found by bisection where the
+    # count falls) must still be among the candidates, as the search by row count it replaced had them. One case
+    # (review): a scan stepping past the widest width, 774, chose 8 rows where 774 holds them in 4.
+    generator = random.Random(3)
+    cases = [([270, 104, 387, 370, 342, 223, 345, 200, 387, 328], 6272.0)]
+    cases += [
+        (
+            [generator.randint(100, 700) for _ in range(generator.randint(2, 24))],
+            generator.choice([0.0, 700.0, 6272.0]),
+        )
+        for _ in range(12)
+    ]
+    for lengths, coefficient in cases:
+        narrowest: dict[int, float] = {}
+        for width in range(max(lengths), 2 * max(lengths) + 1):
+            bins = plan_micro_batches(lengths, max_tokens=width).micro_batches[0]
+            fullest = max(sum(lengths[i] for i in b) for b in bins)
+            narrowest.setdefault(len(bins), len(bins) * fullest * (coefficient + fullest))
+        chosen = plan_micro_batches(lengths, max_tokens=choose_row_width(lengths, coefficient)).micro_batches[0]
+        fullest = max(sum(lengths[i] for i in b) for b in chosen)
+        assert len(chosen) * fullest * (coefficient + fullest) <= min(narrowest.values()), (lengths, coefficient)
+
+
 def test_packed_rows_hold_only_real_tokens_and_positions_restart():
     ids, mask = _batch()
     rows = PackedRows.build(ids, mask, COMPLETION)

@@ -171,10 +171,11 @@ class ServerGeneration:
                 server_weights.save_full_weights(tensors, path, self.weights_dtype)
             self._version_dirs[version] = path
 
-    @staticmethod
-    def _model_bytes(model: torch.nn.Module) -> int:
-        """The whole model's size (ZeRO-3 partitions report it in ds_numel, DTensors in numel)."""
-        return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
+    def _model_bytes(self, model: torch.nn.Module) -> int:
+        """The size of the files a version writes: every parameter (ZeRO-3 partitions report it in ds_numel,
+        DTensors in numel), in the servers' dtype when known."""
+        size = None if self.weights_dtype is None else self.weights_dtype.itemsize
+        return sum(getattr(p, "ds_numel", p.numel()) * (size or p.element_size()) for p in model.parameters())
 
     @contextlib.contextmanager
     def _hold_for_reload(self):

@@ -278,7 +278,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             request_timeout=args.request_timeout,
             server_process=process,
             before_publish=self._prefetch_prompts,
-            weights_dtype=getattr(torch, self._server_dtype()),
+            # Full weights in the dtype of a server this trainer started; one the user started casts on load.
+            weights_dtype=getattr(torch, self._server_dtype()) if process is not None else None,
         )
         engine.phase_timer = self.phase_timer
         return engine
