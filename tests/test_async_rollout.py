@@ -233,6 +233,54 @@ def test_producer_raises_the_samplers_error_in_the_trainer():
         producer.close()
 
 
+def _prompt_that_fails_at_group_2(index: int) -> str:
+    if index == 2:
+        raise KeyError(f"no prompt for group {index}")
+    return str(index)
+
+
+@pytest.mark.parametrize("failing", ["prompt_for", "seed_for"])
+def test_a_crash_in_the_producers_own_scheduling_is_raised_at_once_with_its_traceback(failing):
+    """``prompt_for`` and ``seed_for`` run in the scheduling loop, outside any group's task. Group 2's raises: the
+    trainer waiting for it gets that error within seconds (not the "server answers too slowly" of a 600 s timeout),
+    with the producer thread's traceback naming the function that failed."""
+
+    def seed_that_fails_at_group_2(index: int, version: int, prompt) -> int:
+        if index == 2:
+            raise KeyError(f"no seed for group {index}")
+        return index
+
+    producer = RolloutProducer(
+        prompt_for=_prompt_that_fails_at_group_2 if failing == "prompt_for" else str,
+        seed_for=seed_that_fails_at_group_2 if failing == "seed_for" else None,
+        sampler=_FailingSampler(fail_at=-1),
+        score=_length_reward,
+        schedule=StalenessSchedule(groups_per_version=1, max_staleness=4),
+        num_generations=2,
+        seed=0,
+        max_inflight_tasks=1,
+        queue_maxsize=8,
+    )
+    producer.start()
+    producer.publish_version(0)
+    try:
+        assert [group.index for group in producer.take(2, timeout=10)] == [0, 1]
+        began = time.monotonic()
+        with pytest.raises(RolloutProducerError) as raised:
+            producer.take(1, timeout=600)
+        assert time.monotonic() - began < 5
+        message = str(raised.value)
+        assert "KeyError" in message and "group 2" in message and "too slowly" not in message
+        expected_frame = "_prompt_that_fails_at_group_2" if failing == "prompt_for" else "seed_that_fails_at_group_2"
+        assert "In the producer's thread" in message and expected_frame in message
+        assert isinstance(raised.value.__cause__, KeyError)
+        # Every other wait of the trainer's side raises it too, at once.
+        with pytest.raises(RolloutProducerError, match="KeyError"):
+            producer.admitted_groups(timeout=600)
+    finally:
+        producer.close()
+
+
 def test_producer_refuses_a_group_from_the_wrong_version():
     """The server answered group 0 (trained at v0) from version 3: weights it was never asked for."""
     producer = _producer(_FailingSampler(fail_at=0, answer_version=3))

@@ -53,7 +53,7 @@ def run_torchrun_report(script: str, report_path, port: int, arguments: list[str
         return json.load(handle)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (torchrun starts its workers in sessions of their own, out of its process group)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -75,7 +75,7 @@ def _descendants(pid: int) -> list[int]:
 def kill_process_tree(process: subprocess.Popen) -> None:
     """kill -9 a run as a preemption does: the launcher and every process below it (``os.killpg`` misses the ranks
     torchrun starts in sessions of their own, which then live on after the test)."""
-    for pid in [process.pid, *_descendants(process.pid)]:
+    for pid in [process.pid, *descendants(process.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

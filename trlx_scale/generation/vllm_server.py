@@ -11,8 +11,10 @@ The flags are the ones the asynchronous trainer needs (``ServerLaunch.arguments`
   temperature (what the trainer's log-probs are compared with; TRL's colocated engine uses the same mode);
 - ``--enable-prefix-caching`` (a group's prompt is computed once for its n samples), ``--dtype``, ``--seed``.
 
-The process runs in a session of its own (``start_new_session``): stopping it stops its engine and worker processes
-too (a killed API server otherwise leaves them running). Start-up is watched: the server must answer ``/health``
+The process runs under a watchdog (``server_watchdog.py``) bound to the process that started it: the server and its
+engine processes run in a session of their own, so stopping them leaves no engine or worker process behind, and
+they end within seconds when the trainer dies without cleaning up (the OOM killer, a SIGKILL past a preemption's
+grace period). ``bound_to_parent=False`` leaves that out. Start-up is watched: the server must answer ``/health``
 within ``startup_timeout`` seconds, and a server that exits during start-up is reported with the end of its log.
 On CPU its KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 unless exported), as for the colocated engine.
 """
@@ -32,6 +34,7 @@ import httpx
 
 from ..compat.vllm_server_entrypoint import server_command
 from .cpu_environment import KVCACHE_SPACE_ENV, running_on_cpu_only
+from .server_watchdog import GRACE_SECONDS, wrapped_command
 
 LOG_TAIL_LINES = 40
 
@@ -121,11 +124,21 @@ class ServerLaunch:
 
 
 class VLLMServerProcess:
-    """A running server: ``start`` waits until it answers, ``stop`` ends it and its engine processes."""
+    """A running server: ``start`` waits until it answers, ``stop`` ends it and its engine processes.
 
-    def __init__(self, launch: ServerLaunch, startup_timeout: float = 300.0, log_path: str | None = None):
+    ``bound_to_parent`` (the default) runs it under the watchdog: it ends when this process does, however this
+    process ends. ``process`` is then the watchdog, whose exit code is the server's."""
+
+    def __init__(
+        self,
+        launch: ServerLaunch,
+        startup_timeout: float = 300.0,
+        log_path: str | None = None,
+        bound_to_parent: bool = True,
+    ):
         self.launch = launch
         self.startup_timeout = startup_timeout
+        self.bound_to_parent = bound_to_parent
         self.log_path = log_path or tempfile.mkstemp(prefix="trlx-scale-vllm-server-", suffix=".log")[1]
         self.process: subprocess.Popen | None = None
 
@@ -137,8 +150,11 @@ class VLLMServerProcess:
         if self.process is not None:
             raise RuntimeError("this server was already started.")
         with open(self.log_path, "ab") as log:
+            argv = self.launch.arguments()
+            if self.bound_to_parent:
+                argv = wrapped_command(argv, parent_pid=os.getpid())
             self.process = subprocess.Popen(
-                self.launch.arguments(),
+                argv,
                 env=self.launch.environment(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -194,9 +210,12 @@ class VLLMServerProcess:
             return "(no log)"
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM to the server's session, SIGKILL after ``timeout`` seconds: no engine process is left behind."""
+        """SIGTERM to the server's session, SIGKILL after ``timeout`` seconds: no engine process is left behind (under
+        the watchdog, the SIGTERM reaches the watchdog, which ends the server's own session within
+        ``GRACE_SECONDS``)."""
         if self.process is None:
             return
+        timeout = max(timeout, GRACE_SECONDS + 3.0) if self.bound_to_parent else timeout
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(self.process.pid, sig)

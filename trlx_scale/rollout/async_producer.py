@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -87,7 +88,15 @@ GroupScore = Callable[[GroupRequest, SampledGroup], Awaitable[list[list[float]]]
 
 
 class RolloutProducerError(RuntimeError):
-    """The producer stopped: a sampler or a reward function failed (the cause is chained)."""
+    """The producer stopped: a sampler, a reward function or the producer's own scheduling failed (the cause is
+    chained, and its traceback, from the producer's thread, is in the message)."""
+
+
+def _described(error: BaseException) -> str:
+    """An error with the traceback of the thread that raised it: the trainer's thread re-raises it, and a traceback
+    that ends in ``take`` would hide where the producer really failed."""
+    trace = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
+    return f"{type(error).__name__}: {error}\nIn the producer's thread:\n{trace}"
 
 
 def group_seed(seed: int, version: int, index: int) -> int:
@@ -151,6 +160,7 @@ class RolloutProducer:
         self._ready: dict[int, ScoredGroup] = {group.index: group for group in ready}
         self._error: BaseException | None = None
         self._closed = False
+        self._stopped = False  # the loop thread has ended (an error, or close())
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -176,8 +186,15 @@ class RolloutProducer:
             asyncio.set_event_loop(self._loop)
             self._wake = asyncio.Event()
             ready.set()
-            self._loop.run_until_complete(self._schedule_groups())
-            self._loop.close()
+            try:
+                self._loop.run_until_complete(self._schedule_groups())
+            except BaseException as error:  # noqa: BLE001 - whatever kills the thread is the trainer's error
+                self._fail(error)
+            finally:
+                self._loop.close()
+                with self._lock:
+                    self._stopped = True
+                    self._lock.notify_all()
 
         self._thread = threading.Thread(target=run, name="trlx-scale-rollout-producer", daemon=True)
         self._thread.start()
@@ -286,9 +303,11 @@ class RolloutProducer:
         or the deadline (``timed_out`` words the message from the missing groups) raise instead."""
         while not all(index in self._ready for index in wanted):
             if self._error is not None:
-                raise RolloutProducerError(f"the rollout producer failed: {self._error}") from self._error
+                raise RolloutProducerError(f"the rollout producer failed: {_described(self._error)}") from self._error
             if self._closed:
                 raise RolloutProducerError("the rollout producer was closed.")
+            if self._stopped:
+                raise RolloutProducerError("the rollout producer's thread ended without an error or close().")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(timed_out([index for index in wanted if index not in self._ready]))
@@ -333,7 +352,27 @@ class RolloutProducer:
             and self.schedule.may_start(index, self._published)
         )
 
+    def _fail(self, error: BaseException) -> None:
+        """Record the producer's first error and wake every waiter: ``take`` and the other waits raise it at once
+        (never a timeout that reads like a slow server)."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._lock.notify_all()
+        if self._wake is not None and self._loop is not None and not self._loop.is_closed():
+            self._wake.set()
+
     async def _schedule_groups(self) -> None:
+        try:
+            await self._start_groups_until_closed()
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _start_groups_until_closed(self) -> None:
+        """The scheduling loop. Everything in it (the trainer's ``prompt_for`` and ``seed_for`` included) may raise:
+        ``start``'s thread records that as the producer's error."""
         while True:
             with self._lock:
                 if self._closed or self._error is not None:
@@ -349,9 +388,6 @@ class RolloutProducer:
                 task.add_done_callback(self._tasks.discard)
             await self._wake.wait()
             self._wake.clear()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _request(self, index: int) -> GroupRequest:
         version = self.schedule.sampled_at(index)
@@ -400,10 +436,7 @@ class RolloutProducer:
         except Exception as error:  # handed to the trainer's thread by take()
             with self._lock:
                 self._group_ended()
-                if self._error is None:
-                    self._error = error
-                self._lock.notify_all()
-            self._wake.set()
+            self._fail(error)
             return
         with self._lock:
             self._group_ended()

@@ -1,0 +1,130 @@
+"""A watchdog between a trainer and the vLLM server it started: the server never outlives the trainer.
+
+Why a process of its own: the server runs in a session of its own (so that stopping it reaches its engine
+processes), which also means nothing ends it when the trainer dies without running its clean-up: the OOM killer, a
+SIGKILL past a preemption's grace period, a segfault. vLLM then keeps the devices and the port. Linux's parent-death
+signal (``PR_SET_PDEATHSIG``) is not enough on its own: it fires when the *thread* that started the child exits (a
+trainer that starts its server from a helper thread would lose it), it reaches only the direct child (vLLM's engine
+core and workers are grandchildren), and it is Linux-only.
+
+So the server's argv is wrapped: ``python server_watchdog.py --parent-pid P -- <server argv>``. The watchdog is the
+leader of the server's session and:
+
+1. starts the server as its child, in a session of its own (signals to its group reach every engine process);
+2. polls, every ``POLL_SECONDS``, whether its parent is still process ``P`` (when a process dies its children are
+   re-parented, so ``os.getppid()`` changes; that holds whichever thread started the watchdog) and whether the
+   server still runs;
+3. when the parent is gone: SIGTERM to the whole group, SIGKILL to it ``GRACE_SECONDS`` later, so the server, its
+   engine processes and the port are gone within seconds (tested: ``tests/engine/test_server_watchdog.py``);
+4. when the server exits on its own, exits with the server's code (start-up failures read as before);
+5. if the watchdog itself is SIGKILLed, the server gets SIGKILL from the kernel (``PR_SET_PDEATHSIG``, set in the
+   single-threaded watchdog, on Linux), and vLLM's engine processes exit when their parent does;
+6. on SIGTERM or SIGINT (``VLLMServerProcess.stop`` signals the watchdog), ends the server's group as in step 3
+   and exits with the server's code.
+
+A server the user started (``trlx-scale serve`` in its own terminal, or any ``vllm serve``) is not the trainer's
+child and is left running; its adapters are unloaded by the trainer as before. ``trlx-scale serve`` wraps its server
+the same way, so stopping or killing that command never leaves vLLM behind either.
+
+The file is run as a script (not ``-m``), so it imports nothing of trlx_scale, torch or vLLM: it starts in
+milliseconds and holds a few MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+POLL_SECONDS = 0.25
+GRACE_SECONDS = 5.0
+
+
+def wrapped_command(argv: list[str], parent_pid: int, python: str | None = None) -> list[str]:
+    """``argv`` run under the watchdog, bound to process ``parent_pid``."""
+    return [python or sys.executable, os.path.abspath(__file__), "--parent-pid", str(parent_pid), "--", *argv]
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it execs: SIGKILL it if the watchdog dies (a SIGKILL of the watchdog itself
+    skips step 3). The parent-death signal's thread caveat does not apply here: the watchdog has one thread."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _end_group(group: int, server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after ``GRACE_SECONDS``: vLLM's engine processes share it."""
+    for sig, wait in ((signal.SIGTERM, GRACE_SECONDS), (signal.SIGKILL, 2.0)):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            return
+        try:
+            server.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        break
+    # The server itself is gone; what it left in its group goes with the group.
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def watch(argv: list[str], parent_pid: int) -> int:
+    """Run ``argv`` while process ``parent_pid`` is this process's parent (the module docstring's steps)."""
+    if os.getppid() != parent_pid:  # the parent died before the watchdog got here
+        return 1
+    stopping = {"signal": None}
+
+    def forward(signum, frame):
+        stopping["signal"] = signum
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    server = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent)
+    group = server.pid
+    try:
+        while True:
+            code = server.poll()
+            if code is not None:
+                _end_group(group, server)  # engine processes a dying server left behind
+                return code
+            if stopping["signal"] is not None:  # VLLMServerProcess.stop, or a user's kill of the watchdog
+                _end_group(group, server)
+                return server.returncode if server.returncode is not None else 1
+            if os.getppid() != parent_pid:
+                print(
+                    f"trlx-scale server watchdog: the trainer (pid {parent_pid}) is gone; stopping its vLLM server "
+                    f"(pid {server.pid}).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _end_group(group, server)
+                return 1
+            time.sleep(POLL_SECONDS)
+    except BaseException:
+        _end_group(group, server)
+        raise
+
+
+def main(args: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parent-pid", type=int, required=True, help="the trainer's pid: the server ends with it")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the server's argv, after --")
+    parsed = parser.parse_args(args)
+    command = parsed.command[1:] if parsed.command[:1] == ["--"] else parsed.command
+    if not command:
+        parser.error("no server command after --")
+    return watch(command, parsed.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
