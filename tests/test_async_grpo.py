@@ -315,3 +315,51 @@ def test_weights_that_never_arrive_stop_the_run(server, default_model_dir, tmp_p
     with pytest.raises(WeightDeliveryError, match="does not serve policy version 2"):
         trainer.train()
     assert trainer.state.global_step == 2
+
+
+@pytest.mark.distributed
+def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(server, tmp_path):
+    """2 processes (DDP on gloo) meet five faults in turn, each injected after step 2 (tests/scripts/
+    async_rank_faults.py): a reward function raising on rank 1 only, rank 1's producer crashing, the server
+    answering HTTP 500 to the weight update (only the main process sends it), an update acknowledged but never
+    applied (the main process's verification fails), the server gone. Before, the rank that did not fail waited in
+    the next collective (a barrier, the gradients' all-reduce) until its timeout. Now every rank raises the same
+    RankFailureError, naming the failing rank and its error, seconds after the injection (request_timeout is 300 s:
+    no wait for it)."""
+    import json
+
+    from .helpers.fault_proxy import FaultProxy
+
+    report = tmp_path / "faults"
+    with FaultProxy(server.url) as proxy:
+        command = [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml"),
+            "--main_process_port",
+            str(free_port()),
+            os.path.join(REPO_ROOT, "tests", "scripts", "async_rank_faults.py"),
+            proxy.url,
+            str(report),
+        ]
+        run_command(command, timeout=900)
+        injected = list(proxy.injected)
+    ranks = [json.loads((tmp_path / f"faults.rank{rank}.json").read_text()) for rank in range(2)]
+    expected = {
+        "reward_rank1": ("rank 1", "the verifier on rank 1 crashed"),
+        "producer_rank1": ("rank 1", "rank 1 has no prompt for group"),
+        "server_500": ("rank 0", "500"),
+        "lost_update": ("rank 0", "does not serve policy version"),
+        "server_dead": ("rank", ""),
+    }
+    for on_rank0, on_rank1 in zip(*ranks, strict=True):
+        fault = on_rank0["fault"]
+        failing_rank, words = expected[fault]
+        for outcome in (on_rank0, on_rank1):
+            assert outcome["error"] == "RankFailureError", (fault, outcome)
+            assert f"{failing_rank}" in outcome["message"] and words in outcome["message"], (fault, outcome)
+            assert outcome["seconds_after_injection"] < 60, (fault, outcome)
+            assert 2 <= outcome["steps"] < 6, (fault, outcome)
+        assert on_rank0["message"] == on_rank1["message"], fault  # the same error on every rank
+    assert any(line.startswith("500 ") for line in injected) and any(line.startswith("drop ") for line in injected)

@@ -19,7 +19,13 @@ from transformers import TrainerCallback
 
 from trlx_scale import GRPOTrainer
 from trlx_scale.reliability import CHECKPOINT_COMPLETE_MARKER, is_complete_checkpoint
-from trlx_scale.reliability.checkpoint_integrity import checksum_files, damaged_files
+from trlx_scale.reliability.checkpoint_integrity import (
+    checksum_files,
+    damaged_files,
+    file_pieces,
+    hash_share,
+    share_of_pieces,
+)
 from trlx_scale.reliability.checkpoints import resolve_resume_checkpoint
 from trlx_scale.reliability.disk_space import CheckpointDiskSpaceError, is_out_of_space
 from trlx_scale.tasks import addition_dataset, exact_match_reward
@@ -134,11 +140,16 @@ def test_an_unreadable_marker_counts_as_damage(two_checkpoints, tmp_path, caplog
 
 
 def test_hashing_split_across_ranks_gives_the_whole_checkpoint(two_checkpoints):
-    """Each of 3 'ranks' hashes every third file; the gathered result is the one-process result."""
+    """Each of 3 'ranks' hashes its share of a real checkpoint's pieces; no rank hashes every file, and the gathered
+    result is the one-process result and the marker's."""
     path = str(two_checkpoints / "checkpoint-1")
-    shares = [checksum_files(path, rank, 3) for rank in range(3)]
-    assert all(len(share) < len(_marker(two_checkpoints / "checkpoint-1")["files"]) for share in shares)
-    merged = {name: entry for share in shares for name, entry in share.items()}
+    sizes = {
+        name: os.path.getsize(os.path.join(path, name)) for name in _marker(two_checkpoints / "checkpoint-1")["files"]
+    }
+    shares = [hash_share(path, sizes, rank, 3) for rank in range(3)]
+    assert all(0 < len(share) < len(sizes) for share in shares)
+    everyone = [item for share in shares for item in share]
+    merged = checksum_files(path, 2, 3, gather=lambda mine: everyone)
     assert merged == checksum_files(path) == _marker(two_checkpoints / "checkpoint-1")["files"]
 
 
@@ -218,3 +229,70 @@ def test_two_processes_hash_their_shares_and_find_a_damaged_rank_file(tmp_path):
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     assert json.loads(line.removeprefix("RESULT "))["trained_steps"] == [2, 3]
     assert "skipped checkpoint-2 (damaged: rng_state_1.pth does not match its sha256 checksum" in result.stderr
+
+
+def _checkpoint_with_one_large_file(path, piece_bytes: int) -> dict[str, bytes]:
+    """An optimizer state of 10.5 pieces beside three small files (the shape of a real checkpoint: one file holds
+    most of the bytes)."""
+    contents = {"optimizer.pt": os.urandom(piece_bytes * 21 // 2)}
+    contents.update({f"rng_state_{r}.pth": os.urandom(1000 + r) for r in range(3)})
+    for name, content in contents.items():
+        (path / name).write_bytes(content)
+    return contents
+
+
+def test_hashing_is_split_by_bytes_not_files(tmp_path):
+    """Dealt by files, the rank that drew optimizer.pt hashed ~all the bytes while two waited. Dealt by pieces,
+    each of 3 ranks hashes a third of the bytes, give or take one piece; the gathered marker records the file as
+    its pieces' digests (each the SHA-256 of those bytes), and the small files as one SHA-256 as before."""
+    piece = 2**16
+    contents = _checkpoint_with_one_large_file(tmp_path, piece)
+    sizes = {name: len(content) for name, content in contents.items()}
+    pieces = [p for name, size in sizes.items() for p in file_pieces(name, size, piece)]
+    loads = [sum(p.length for p in share_of_pieces(pieces, rank, 3)) for rank in range(3)]
+    assert sum(loads) == sum(sizes.values()) and max(loads) - min(loads) <= piece
+    assert max(loads) < len(contents["optimizer.pt"]) / 2  # no rank hashes the large file alone
+    shares = [hash_share(str(tmp_path), sizes, rank, 3, piece) for rank in range(3)]
+    assert sorted(x for share in shares for x in share) == sorted(hash_share(str(tmp_path), sizes, 0, 1, piece))
+    everyone = [x for share in shares for x in share]
+    merged = checksum_files(str(tmp_path), 1, 3, gather=lambda mine: everyone, piece_bytes=piece)
+    assert merged == checksum_files(str(tmp_path), piece_bytes=piece)
+    optimizer = contents["optimizer.pt"]
+    assert merged["optimizer.pt"] == {
+        "bytes": len(optimizer),
+        "piece_bytes": piece,
+        "sha256_pieces": [
+            hashlib.sha256(optimizer[i : i + piece]).hexdigest() for i in range(0, len(optimizer), piece)
+        ],
+    }
+    small = contents["rng_state_0.pth"]
+    assert merged["rng_state_0.pth"] == {"bytes": len(small), "sha256": hashlib.sha256(small).hexdigest()}
+    assert damaged_files(str(tmp_path), merged) == []
+
+
+def test_a_changed_byte_in_any_piece_is_found_by_whichever_rank_holds_it(tmp_path):
+    piece = 2**16
+    contents = _checkpoint_with_one_large_file(tmp_path, piece)
+    recorded = checksum_files(str(tmp_path), piece_bytes=piece)
+    optimizer = bytearray(contents["optimizer.pt"])
+    optimizer[7 * piece + 5] ^= 1  # piece 7 of 11
+    (tmp_path / "optimizer.pt").write_bytes(bytes(optimizer))
+    found = [damaged_files(str(tmp_path), recorded, rank, 3) for rank in range(3)]
+    assert sorted(found, key=len) == [
+        [],
+        [],
+        ["optimizer.pt does not match its sha256 checksum (the bytes changed after the save)"],
+    ]
+    assert damaged_files(str(tmp_path), recorded) == found[[len(f) for f in found].index(1)]
+
+
+def test_a_marker_from_before_pieces_is_verified_as_recorded(tmp_path):
+    """Older markers hold one SHA-256 per file whatever its size: that file is checked whole, by one rank."""
+    piece = 2**16
+    contents = _checkpoint_with_one_large_file(tmp_path, piece)
+    old = {name: {"bytes": len(c), "sha256": hashlib.sha256(c).hexdigest()} for name, c in contents.items()}
+    assert [damaged_files(str(tmp_path), old, rank, 2) for rank in range(2)] == [[], []]
+    (tmp_path / "optimizer.pt").write_bytes(contents["optimizer.pt"][:-1] + b"x")
+    assert damaged_files(str(tmp_path), old) == [
+        "optimizer.pt does not match its sha256 checksum (the bytes changed after the save)"
+    ]

@@ -20,6 +20,7 @@ from trlx_scale.hub.secrets import (
     check_folder_has_no_secrets,
     check_tracker_uploads,
     environment_secrets,
+    file_holds_any,
     files_with_secrets,
     known_secrets,
     secret_field_names,
@@ -181,3 +182,30 @@ def test_check_folder_passes_a_clean_folder(tmp_path):
     (tmp_path / "a.txt").write_text("nothing to see")
     (tmp_path / "empty").write_bytes(b"")
     check_folder_has_no_secrets(str(tmp_path), ["hf_not_here_0123"], "a test folder")
+
+
+def _bytes_read_by_this_process() -> int:
+    with open("/proc/self/io") as handle:
+        return int(next(line for line in handle if line.startswith("rchar:")).split()[1])
+
+
+def test_the_scan_reads_each_byte_once_for_all_secrets(tmp_path):
+    """Five secrets, a 12 MiB file (three scan blocks): the scan reads 12 MiB, not 60 (one pass per secret), and
+    finds a secret that straddles two blocks."""
+    secrets = [f"hf_secret_number_{i}_abcdefgh" for i in range(5)]
+    block = 4 * 2**20
+    content = bytearray(os.urandom(3 * block))
+    straddling = secrets[3].encode()
+    content[block - 7 : block - 7 + len(straddling)] = straddling
+    path = tmp_path / "optimizer.pt"
+    path.write_bytes(bytes(content))
+    before = _bytes_read_by_this_process()
+    assert files_with_secrets(str(tmp_path), secrets) == ["optimizer.pt"]
+    read = _bytes_read_by_this_process() - before
+    # found in the first two blocks (4 MiB + its successor): at most the whole file, once
+    assert block <= read <= len(content) + 2**16
+    path.write_bytes(os.urandom(3 * block))
+    before = _bytes_read_by_this_process()
+    assert files_with_secrets(str(tmp_path), secrets) == []
+    assert len(content) <= _bytes_read_by_this_process() - before <= len(content) + 2**16
+    assert file_holds_any(str(path), [b"x" * 3], block=16) is (b"xxx" in path.read_bytes())

@@ -17,6 +17,11 @@
 
 Gathering weights is a collective under ZeRO-3, so every rank runs ``ensure_version``; the main process alone
 writes files and talks to the servers, then every rank publishes the version to its own producer.
+
+Faults reach every rank (``reliability.rank_agreement.failing_together``): a failure of the main process's send or
+verification, of any rank's hold before a reload, or of any rank's ``take`` (its producer: a server that died, a
+reward function that raised, a crash) is raised as the same ``RankFailureError`` on every rank right after the
+block, never left to a collective's timeout on the ranks that did not fail.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from trl.distributed import DistributedBackend
 from ..compat.vllm_cpu_lora_scoring import lora_breaks_prompt_logprobs
 from ..peft_models import is_peft_model
 from ..profiling.phase_timer import PhaseTimer
+from ..reliability.rank_agreement import failing_together
 from ..rollout.async_producer import RolloutProducer, ScoredGroup
 from ..rollout.staleness import StalenessSchedule
 from . import server_weights
@@ -102,9 +108,11 @@ class ServerGeneration:
         with self.phase_timer.phase("weight_sync"):
             began = time.perf_counter()
             with self._hold_for_reload():
-                paused = self._send(version)
+                with failing_together(self.accelerator, f"sending policy version {version}'s weights to the servers"):
+                    paused = self._send(version)
                 with self._probe_alone():
-                    self._verify(version)
+                    with failing_together(self.accelerator, f"verifying policy version {version} on the servers"):
+                        self._verify(version)
                 self.accelerator.wait_for_everyone()
                 if not self.accelerator.is_main_process:  # the main process updated the servers for every rank
                     self.client.record_update(version, self._version_dirs.get(version))
@@ -186,8 +194,7 @@ class ServerGeneration:
         if self.sync_mode == "lora":
             yield
             return
-        with self.producer.hold_requests(timeout=self.request_timeout):
-            self.accelerator.wait_for_everyone()  # every rank's requests have come back
+        with self._held_on_every_rank("holding requests for a full-weight reload"):
             yield
 
     @contextlib.contextmanager
@@ -199,10 +206,19 @@ class ServerGeneration:
         if not lora_breaks_prompt_logprobs(running_on_cpu_only()):
             yield
             return
-        with self.producer.hold_requests(timeout=self.request_timeout):
-            self.accelerator.wait_for_everyone()  # no rank's request is at the server
+        with self._held_on_every_rank("holding requests for the weight probe"):
             yield
         self.accelerator.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def _held_on_every_rank(self, what: str):
+        """Every rank's producer holds its requests (each waits for its own in flight to come back, within
+        ``request_timeout``); a rank whose wait fails makes every rank fail, instead of leaving the others in the
+        barrier."""
+        with contextlib.ExitStack() as held:
+            with failing_together(self.accelerator, what):
+                held.enter_context(self.producer.hold_requests(timeout=self.request_timeout))
+            yield
 
     def _trainer_probe_logprobs(self) -> torch.Tensor:
         """The trainer's log-probs of the probe (a forward on every rank: ZeRO-3 gathers inside it)."""
@@ -268,15 +284,16 @@ class ServerGeneration:
         if images is not None and any(image is not None for image in images):
             raise ValueError("asynchronous generation takes text prompts only (the batch has images).")
         count = len(prompts) // num_generations
-        groups = self.producer.take(count, timeout=self.request_timeout)
-        for position, group in enumerate(groups):
-            row = prompts[position * num_generations]
-            if list(row) != list(group.sampled.prompt_ids):
-                raise RuntimeError(
-                    f"group {group.index}: the producer sampled another prompt than the one the trainer tokenized "
-                    f"({len(group.sampled.prompt_ids)} vs {len(row)} tokens). The chat template or the tokenizer "
-                    "settings differ between the two."
-                )
+        with failing_together(self.accelerator, "taking this step's rollout groups"):
+            groups = self.producer.take(count, timeout=self.request_timeout)
+            for position, group in enumerate(groups):
+                row = prompts[position * num_generations]
+                if list(row) != list(group.sampled.prompt_ids):
+                    raise RuntimeError(
+                        f"group {group.index}: the producer sampled another prompt than the one the trainer "
+                        f"tokenized ({len(group.sampled.prompt_ids)} vs {len(row)} tokens). The chat template or "
+                        "the tokenizer settings differ between the two."
+                    )
         self.last_groups = groups
         completion_ids = [ids for group in groups for ids in group.sampled.completion_ids]
         logprobs = [[[value] for value in values] for group in groups for values in group.sampled.logprobs]

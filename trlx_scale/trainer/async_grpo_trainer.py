@@ -50,6 +50,7 @@ from ..losses.decoupled_objective import behaviour_kl
 from ..losses.vllm_importance_sampling import is_sequence_level, vllm_importance_sampling_ratio
 from ..options import option
 from ..peft_models import is_peft_model
+from ..reliability.rank_agreement import failing_together
 from ..rollout.async_producer import GroupRequest, RolloutProducer, SampledGroup
 from ..rollout.batch import RolloutBatch
 from ..rollout.prompt_stream import RankPromptStream
@@ -324,7 +325,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         engine = self.vllm_generation
         if engine is None:  # no rollout yet: nothing was sampled
             return
-        groups = engine.producer.admitted_groups(timeout=self.args.request_timeout)
+        with failing_together(self.accelerator, "waiting for the rollout window of the checkpoint"):
+            groups = engine.producer.admitted_groups(timeout=self.args.request_timeout)
         settings = self._window_settings(
             self._schedule.groups_per_version, engine.producer.next_index, self._schedule.oldest_version
         )
