@@ -362,4 +362,6 @@ def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(se
             assert outcome["seconds_after_injection"] < 60, (fault, outcome)
             assert 2 <= outcome["steps"] < 6, (fault, outcome)
         assert on_rank0["message"] == on_rank1["message"], fault  # the same error on every rank
+        seconds = [round(outcome["seconds_after_injection"], 1) for outcome in (on_rank0, on_rank1)]
+        print(f"{fault}: {seconds} s after the injection, at step {on_rank0['steps']}: {on_rank0['message'][:300]}")
     assert any(line.startswith("500 ") for line in injected) and any(line.startswith("drop ") for line in injected)
