@@ -2,7 +2,7 @@
 repo and commit files to it (regular uploads, no LFS/Xet), on 127.0.0.1. Point ``HF_ENDPOINT`` at ``url``.
 
 Committed files land in ``repos[repo_id][path] = bytes``; ``received`` holds the raw body of every request (every
-byte that went up, commit messages and file contents included). ``fail_next`` makes the next N commit calls answer HTTP 500.
+byte that went up, commit messages and file contents included). ``fail_next`` makes the next N commit calls answer HTTP ``fail_status`` (500 unless set).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ class FakeHub:
         self.requests: list[tuple[str, str]] = []
         self.received: list[bytes] = []
         self.fail_next = 0
+        self.fail_status = 500
         self.commits = 0
         hub = self
 
@@ -83,7 +84,7 @@ class FakeHub:
                     if action == "commit":
                         if hub.fail_next > 0:
                             hub.fail_next -= 1
-                            return self._reply(500, {"error": "internal error (fake hub)"})
+                            return self._reply(hub.fail_status, {"error": "internal error (fake hub)"})
                         files = hub.repos.setdefault(repo_id, {})
                         for line in body.decode().splitlines():
                             entry = json.loads(line)
