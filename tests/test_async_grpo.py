@@ -319,13 +319,16 @@ def test_weights_that_never_arrive_stop_the_run(server, default_model_dir, tmp_p
 
 @pytest.mark.distributed
 def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(server, tmp_path):
-    """2 processes (DDP on gloo) meet five faults in turn, each injected after step 2 (tests/scripts/
+    """2 processes (DeepSpeed ZeRO-3 on gloo) meet five faults in turn, each injected after step 2 (tests/scripts/
     async_rank_faults.py): a reward function raising on rank 1 only, rank 1's producer crashing, the server
     answering HTTP 500 to the weight update (only the main process sends it), an update acknowledged but never
     applied (the main process's verification fails), the server gone. Before, the rank that did not fail waited in
-    the next collective (a barrier, the gradients' all-reduce) until its timeout. Now every rank raises the same
-    RankFailureError, naming the failing rank and its error, seconds after the injection (request_timeout is 300 s:
-    no wait for it)."""
+    the next collective (a barrier, a ZeRO-3 gather, the gradients' all-reduce) until its timeout. Now every rank
+    raises the same RankFailureError, naming the failing rank and its error, seconds after the injection
+    (request_timeout is 300 s: no wait for it).
+
+    Between them, a LoRA policy with adapter-only sync: each sync gathers the adapter's bytes on each rank and
+    nothing more (it gathered the whole model), while the full-weight runs gather the whole model."""
     import json
 
     from .helpers.fault_proxy import FaultProxy
@@ -336,7 +339,7 @@ def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(se
             ACCELERATE,
             "launch",
             "--config_file",
-            os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml"),
+            os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml"),
             "--main_process_port",
             str(free_port()),
             os.path.join(REPO_ROOT, "tests", "scripts", "async_rank_faults.py"),
@@ -353,6 +356,13 @@ def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(se
         "lost_update": ("rank 0", "does not serve policy version"),
         "server_dead": ("rank", ""),
     }
+    lora = [rank.pop(4) for rank in ranks]
+    for outcome in lora:
+        assert outcome["fault"] == "lora_sync" and outcome["error"] is None and outcome["steps"] == 3, outcome
+        assert outcome["gathered_bytes"] == [outcome["adapter_bytes"]] * 3, outcome
+        assert outcome["adapter_bytes"] < outcome["model_bytes"] / 50, outcome
+    for outcome in (rank[0] for rank in ranks):  # full weights: the whole model, gathered before each send
+        assert outcome["gathered_bytes"] and max(outcome["gathered_bytes"]) > outcome["model_bytes"] / 2, outcome
     for on_rank0, on_rank1 in zip(*ranks, strict=True):
         fault = on_rank0["fault"]
         failing_rank, words = expected[fault]

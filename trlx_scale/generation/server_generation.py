@@ -45,7 +45,7 @@ from . import server_weights
 from .cpu_environment import running_on_cpu_only
 from .server_client import ServerError, VLLMServerClient
 from .vllm_server import VLLMServerProcess
-from .weight_sync import is_fsdp2_sharded
+from .weight_sync import adapter_parameters, is_fsdp2_sharded, partitioned_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,11 @@ class ServerGeneration:
         if is_fsdp2_sharded(model):
             self._write_fsdp2(model, version)
         else:
-            with torch.no_grad(), self._dist.gather_params(list(model.parameters())):
+            # An adapter-only sync needs the adapter alone: under ZeRO-3 gathering the whole model on every rank at
+            # once is what runs out of memory at the 30B and 70B recipes' sizes.
+            gathered = adapter_parameters(model) if self.sync_mode == "lora" else list(model.parameters())
+            self._metrics["sync/gathered_bytes"] = float(partitioned_bytes(gathered))
+            with torch.no_grad(), self._dist.gather_params(gathered):
                 if self.accelerator.is_main_process:
                     path = self._version_dir(version, self._model_bytes(model))
                     if self.sync_mode == "lora":

@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -159,7 +159,7 @@ class LoRAAdapterSync:
         self.max_lora_rank = vllm_max_lora_rank(max([self.config.r, *(self.config.rank_pattern or {}).values()]))
 
     def lora_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for name, p in self.model.named_parameters() if "lora_" in name and f".{self.adapter}." in name]
+        return adapter_parameters(self.model)
 
     def write_adapter(self) -> int:
         """Write the current adapter (engine dtype) into the RAM directory; returns the bytes written."""
@@ -189,6 +189,18 @@ class LoRAAdapterSync:
                 continue
             with torch.no_grad(), self.gather_params([param]):
                 yield name.removeprefix("base_model.model.").replace(".base_layer", ""), param.detach().to(self.dtype)
+
+
+def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The active LoRA adapter's parameters of a PEFT model: all an adapter-only sync needs gathered (ZeRO-3)."""
+    adapter = model.active_adapter
+    return [p for name, p in model.named_parameters() if "lora_" in name and f".{adapter}." in name]
+
+
+def partitioned_bytes(parameters: Iterable[torch.nn.Parameter]) -> int:
+    """The full size of the ZeRO-3-partitioned ones among ``parameters``: what gathering them brings to every rank
+    at once (parameters ZeRO-3 does not partition count 0)."""
+    return sum(p.ds_numel * p.element_size() for p in parameters if hasattr(p, "ds_id"))
 
 
 def unsharded(tensor: torch.Tensor) -> torch.Tensor:
