@@ -6,6 +6,8 @@ server faults are errors."""
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
 
 import pytest
@@ -375,3 +377,72 @@ def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(se
         seconds = [round(outcome["seconds_after_injection"], 1) for outcome in (on_rank0, on_rank1)]
         print(f"{fault}: {seconds} s after the injection, at step {on_rank0['steps']}: {on_rank0['message'][:300]}")
     assert any(line.startswith("500 ") for line in injected) and any(line.startswith("drop ") for line in injected)
+
+
+def _interrupted_async(output_dir, server, *extra, processes: int = 1) -> list[str]:
+    script = os.path.join(REPO_ROOT, "tests", "scripts", "interrupted_run.py")
+    arguments = [script, str(output_dir), "--max_steps", "5", "--save_steps", "100", "--async_server", server.url]
+    arguments += list(extra)
+    if processes == 1:
+        return [sys.executable, *arguments]
+    config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml")
+    return [ACCELERATE, "launch", "--config_file", config, "--main_process_port", str(free_port()), *arguments]
+
+
+def test_preempted_async_run_saves_its_window_and_resumes_exactly(server, tmp_path):
+    """SIGTERM after step 2 at max_staleness=1: the step in progress is finished, the groups its checkpoint's window
+    needs (sampled by the version before the checkpoint's) are waited for within preemption_grace_period, the run
+    exits with 75, and the resumed run repeats the straight one: the same rewards, staleness, losses and gradient
+    norms for every step."""
+    from trlx_scale.reliability.preemption import PREEMPTED_EXIT_CODE
+
+    from .helpers.launch import run_result, signal_once_progressed
+
+    straight = run_result(_interrupted_async(tmp_path / "straight", server))
+    pids = tmp_path / "pids"
+    code, output, finished, _ = signal_once_progressed(
+        _interrupted_async(tmp_path / "run", server, "--pid_dir", str(pids)), pids, 0, [signal.SIGTERM]
+    )
+    assert code == PREEMPTED_EXIT_CODE, output[-4000:]
+    assert "still in flight" not in output
+    resumed = run_result(_interrupted_async(tmp_path / "run", server, "--resume"))
+    assert resumed["trained_steps"] == list(range(finished + 1, 6))
+    assert resumed["staleness"] == straight["staleness"]
+    for step, values in straight["logged"].items():
+        assert resumed["logged"][step] == pytest.approx(values, rel=1e-5, abs=1e-7), step
+
+
+@pytest.mark.distributed
+def test_a_preempted_save_does_not_wait_past_its_grace_period(server, tmp_path):
+    """2 processes; rank 1's verifier takes a minute from group 3 on, so when SIGTERM comes after step 2 (max_staleness
+    1) rank 1's window (group 3, sampled by version 2) cannot complete. With preemption_grace_period=1 the save
+    waits one second, then every rank saves an empty window (the ranks' schedules must agree), the requests and the
+    scoring in flight are cancelled, and the run exits with 75 within seconds, not after the minute (nor
+    request_timeout's 300 s). The resumed run samples group 3 again from the checkpoint's weights: fresher
+    (staleness 0 at the step after the checkpoint, 1 in the interrupted run's schedule), and it finishes."""
+    from trlx_scale.reliability.preemption import PREEMPTED_EXIT_CODE
+    from trlx_scale.rollout.rollout_window import load_window
+
+    from .helpers.launch import run_result, signal_once_progressed
+
+    pids = tmp_path / "pids"
+    slow = ["--slow_groups_from", "3", "--slow_rank", "1", "--preemption_grace_period", "1"]
+    code, output, finished, seconds = signal_once_progressed(
+        _interrupted_async(tmp_path / "run", server, "--pid_dir", str(pids), *slow, processes=2),
+        pids,
+        0,
+        [signal.SIGTERM],
+    )
+    assert code != 0, output[-4000:]  # the launcher reports its workers' exit code 75 as a failure
+    assert output.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") == 2, output[-4000:]  # both workers: "resume me"
+    assert finished == 3, output[-4000:]  # the step in progress when the signal came
+    assert "were still in flight after the 1 s grace period" in output
+    assert seconds < 30, seconds  # waiting for the slow groups would take 60 s
+    print(f"preempted at step {finished}: exited {seconds:.1f} s after the SIGTERM (grace period 1 s)")
+    checkpoint = tmp_path / "run" / f"checkpoint-{finished}"
+    for rank in range(2):
+        settings, groups = load_window(str(checkpoint / f"async_rollout_window_rank{rank}.pt"))
+        assert groups == [] and settings["oldest_version"] == finished, (rank, settings)
+    resumed = run_result(_interrupted_async(tmp_path / "run", server, "--resume", processes=2))
+    assert resumed["trained_steps"] == list(range(finished + 1, 6))
+    assert resumed["staleness"][str(finished + 1)] == 0.0

@@ -10,9 +10,7 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 from transformers import TrainerControl, TrainerState
@@ -26,7 +24,7 @@ from trlx_scale.reliability.preemption import (
     PreemptionHandler,
 )
 
-from .helpers.launch import REPO_ROOT, launch_env
+from .helpers.launch import REPO_ROOT, run_result, signal_once_progressed
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "scripts", "interrupted_run.py")
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
@@ -41,39 +39,6 @@ def _command(output_dir, *extra, processes: int = 1, port: int = 29591) -> list[
     return [ACCELERATE, "launch", "--config_file", CPU_DDP, "--main_process_port", str(port), *arguments]
 
 
-def _result(stdout: str) -> dict:
-    line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
-
-
-def _run(command) -> dict:
-    done = subprocess.run(command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
-    return _result(done.stdout)
-
-
-def _signal_once_progressed(command, pid_dir, target_rank: int, signals, after_step: int = 2):
-    """Start the run, wait until rank 0 finished ``after_step`` steps, send ``signals`` to rank ``target_rank``;
-    return (exit code, output, rank 0's last finished step when the run ended)."""
-    process = subprocess.Popen(
-        command, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    progress = os.path.join(pid_dir, "progress")
-    deadline = time.monotonic() + 400
-    while not (os.path.exists(progress) and int(open(progress).read() or 0) >= after_step):
-        assert process.poll() is None, process.stdout.read()[-4000:]
-        assert time.monotonic() < deadline, "the run never reached the step to signal"
-        time.sleep(0.05)
-    with open(os.path.join(pid_dir, f"rank{target_rank}.pid")) as handle:
-        pid = int(handle.read())
-    for index, number in enumerate(signals):
-        if index:
-            time.sleep(REPEAT_WINDOW_S + 0.5)  # closer signals count as one notice delivered twice
-        os.kill(pid, number)
-    output, _ = process.communicate(timeout=300)
-    return process.returncode, output, int(open(progress).read())
-
-
 def _same_metrics(interrupted: dict, straight: dict) -> None:
     assert sorted(interrupted) == sorted(straight) == [str(step) for step in range(1, STEPS + 1)]
     for step, values in straight.items():
@@ -82,8 +47,8 @@ def _same_metrics(interrupted: dict, straight: dict) -> None:
 
 
 def test_sigterm_saves_the_step_in_progress_exits_75_and_the_resumed_run_repeats_the_straight_one(tmp_path):
-    straight = _run(_command(tmp_path / "straight"))
-    code, output, finished = _signal_once_progressed(
+    straight = run_result(_command(tmp_path / "straight"))
+    code, output, finished, _ = signal_once_progressed(
         _command(tmp_path / "run", "--pid_dir", str(tmp_path / "pids")), tmp_path / "pids", 0, [signal.SIGTERM]
     )
     assert code == PREEMPTED_EXIT_CODE, output[-4000:]
@@ -92,7 +57,7 @@ def test_sigterm_saves_the_step_in_progress_exits_75_and_the_resumed_run_repeats
     assert saved == [finished] and 2 <= finished < STEPS  # the step in progress was finished and saved: none lost
     assert f"Preempted by SIGTERM: step {finished} finished and saved" in output
     assert not os.path.exists(tmp_path / "run" / "trlx_scale_main.pid")  # removed when train() ends
-    resumed = _run(_command(tmp_path / "run", "--resume"))
+    resumed = run_result(_command(tmp_path / "run", "--resume"))
     assert resumed["trained_steps"] == list(range(finished + 1, STEPS + 1))
     _same_metrics(resumed["logged"], straight["logged"])
 
@@ -101,8 +66,8 @@ def test_sigterm_saves_the_step_in_progress_exits_75_and_the_resumed_run_repeats
 def test_a_signal_to_one_rank_of_two_stops_both_at_the_same_step_and_nothing_is_lost(tmp_path):
     """accelerate launch, 2 processes (cpu_ddp.yaml): SIGUSR1 to rank 1 only, mid-run. Both ranks finish that step,
     the checkpoint is complete (both ranks' parts), and the restart repeats the uninterrupted run's metrics."""
-    straight = _run(_command(tmp_path / "straight", processes=2))
-    code, output, finished = _signal_once_progressed(
+    straight = run_result(_command(tmp_path / "straight", processes=2))
+    code, output, finished, _ = signal_once_progressed(
         _command(tmp_path / "run", "--pid_dir", str(tmp_path / "pids"), processes=2, port=29593),
         tmp_path / "pids",
         1,
@@ -116,13 +81,13 @@ def test_a_signal_to_one_rank_of_two_stops_both_at_the_same_step_and_nothing_is_
     with open(tmp_path / "run" / f"checkpoint-{finished}" / "trlx_scale_checkpoint_complete.json") as handle:
         files = json.load(handle)["files"]
     assert {"rng_state_0.pth", "rng_state_1.pth", "rollout_state_rank1.pt"} <= set(files)
-    resumed = _run(_command(tmp_path / "run", "--resume", processes=2, port=29595))
+    resumed = run_result(_command(tmp_path / "run", "--resume", processes=2, port=29595))
     assert resumed["trained_steps"] == list(range(finished + 1, STEPS + 1))
     _same_metrics(resumed["logged"], straight["logged"])
 
 
 def test_a_second_signal_exits_at_once_without_saving(tmp_path):
-    code, output, _ = _signal_once_progressed(
+    code, output, _, _ = signal_once_progressed(
         _command(tmp_path / "run", "--pid_dir", str(tmp_path / "pids"), "--slow_steps", "8"),
         tmp_path / "pids",
         0,

@@ -81,3 +81,44 @@ def kill_process_tree(process: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     process.wait(timeout=60)
+
+
+def result_line(stdout: str) -> dict:
+    """The JSON of a script's "RESULT {...}" line (tests/scripts/interrupted_run.py prints one)."""
+    line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def run_result(command: list[str]) -> dict:
+    """Run a script that prints a RESULT line, from the repository root; fail with its output."""
+    done = subprocess.run(command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    return result_line(done.stdout)
+
+
+def signal_once_progressed(command, pid_dir, target_rank: int, signals, after_step: int = 2):
+    """Start the run, wait until rank 0 finished ``after_step`` steps, send ``signals`` to rank ``target_rank``;
+    return (exit code, output, rank 0's last finished step when the run ended, seconds from the first signal to the
+    run's exit)."""
+    import time
+
+    from trlx_scale.reliability.preemption import REPEAT_WINDOW_S
+
+    process = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    progress = os.path.join(pid_dir, "progress")
+    deadline = time.monotonic() + 400
+    while not (os.path.exists(progress) and int(open(progress).read() or 0) >= after_step):
+        assert process.poll() is None, process.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "the run never reached the step to signal"
+        time.sleep(0.05)
+    with open(os.path.join(pid_dir, f"rank{target_rank}.pid")) as handle:
+        pid = int(handle.read())
+    signalled = time.monotonic()
+    for index, number in enumerate(signals):
+        if index:
+            time.sleep(REPEAT_WINDOW_S + 0.5)  # closer signals count as one notice delivered twice
+        os.kill(pid, number)
+    output, _ = process.communicate(timeout=300)
+    return process.returncode, output, int(open(progress).read()), time.monotonic() - signalled

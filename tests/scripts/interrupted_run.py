@@ -15,6 +15,11 @@ gradient norm of every step of the run (those before a resume come from the chec
 --pid_dir DIR      each rank writes DIR/rank<R>.pid at start, and DIR/progress (rank 0) after each step
 --slow_steps S     each step starts with S seconds of sleep (a long step, for signals to land inside one)
 --dump_loaded_weights PATH   the trained parameters as this process's first step begins (after a resume: as loaded)
+
+AsyncGRPOTrainer instead (full weights to a vLLM server the run does not own):
+--async_server URL            the server; --max_staleness S (default 1); --preemption_grace_period G (default 20)
+--slow_groups_from K          groups K and later take 60 s to score (the producer awaits it: cancellable), on rank
+                              --slow_rank R only (default 0): a preempted save's window cannot complete in its grace
 """
 
 import argparse
@@ -25,7 +30,7 @@ import time
 from peft import LoraConfig
 from transformers import TrainerCallback
 
-from trlx_scale import GRPOConfig, GRPOTrainer
+from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
 from trlx_scale.reliability.checkpoints import resolve_resume_checkpoint
 from trlx_scale.tasks import addition_dataset, default_model_path, exact_match_reward
 from trlx_scale.tasks.example_runtime import cpu_launch_defaults
@@ -107,6 +112,19 @@ class StallingGRPOTrainer(GRPOTrainer):
         return super()._generate_single_turn(*args, **kwargs)
 
 
+class SlowScoringAsyncTrainer(AsyncGRPOTrainer):
+    slow_from: int | None = None
+    slow_rank = 0
+
+    async def _score_group(self, request, sampled):
+        if self.slow_from is not None and request.index >= self.slow_from:
+            if self.accelerator.process_index == self.slow_rank:
+                import asyncio
+
+                await asyncio.sleep(60)  # a verifier that takes a minute (cancelled with the producer)
+        return await super()._score_group(request, sampled)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
@@ -118,8 +136,21 @@ def main() -> None:
     parser.add_argument("--pid_dir", default=None)
     parser.add_argument("--slow_steps", type=float, default=0.0)
     parser.add_argument("--dump_loaded_weights", default=None)
+    parser.add_argument("--async_server", default=None)
+    parser.add_argument("--max_staleness", type=int, default=1)
+    parser.add_argument("--preemption_grace_period", type=float, default=20.0)
+    parser.add_argument("--slow_groups_from", type=int, default=None)
+    parser.add_argument("--slow_rank", type=int, default=0)
     cli = parser.parse_args()
-    args = GRPOConfig(
+    asynchronous = {}
+    if cli.async_server:
+        asynchronous = dict(
+            vllm_server_base_url=cli.async_server,
+            max_staleness=cli.max_staleness,
+            preemption_grace_period=cli.preemption_grace_period,
+            request_timeout=300,
+        )
+    args = (AsyncGRPOConfig if asynchronous else GRPOConfig)(
         output_dir=cli.output_dir,
         per_device_train_batch_size=cli.per_device_train_batch_size,
         num_generations=4,
@@ -133,14 +164,17 @@ def main() -> None:
         seed=5,
         disable_tqdm=True,
         **{"bf16": False, **cpu_launch_defaults()},  # gloo under a launcher (use_cpu too, except under DeepSpeed)
+        **asynchronous,
     )
-    trainer = StallingGRPOTrainer(
+    trainer = (SlowScoringAsyncTrainer if asynchronous else StallingGRPOTrainer)(
         model=default_model_path(),
         reward_funcs=exact_match_reward,
         args=args,
         train_dataset=addition_dataset("train", 64),
-        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+        peft_config=None if asynchronous else LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
     )
+    if asynchronous:
+        trainer.slow_from, trainer.slow_rank = cli.slow_groups_from, cli.slow_rank
     trainer.steps_trained_here = []
     progress = None
     if cli.pid_dir:
@@ -149,12 +183,13 @@ def main() -> None:
             handle.write(str(os.getpid()))
         progress = os.path.join(cli.pid_dir, "progress")
     trainer.add_callback(_RecordSteps(trainer.steps_trained_here, progress))
-    trainer.add_callback(_StallBeforeOptimizerStep(trainer))
+    if not asynchronous:
+        trainer.add_callback(_StallBeforeOptimizerStep(trainer))
     if cli.slow_steps:
         trainer.add_callback(_SlowSteps(cli.slow_steps))
     if cli.dump_loaded_weights:
         trainer.add_callback(_DumpWeightsAtFirstStep(trainer, cli.dump_loaded_weights))
-    if cli.stall:
+    if cli.stall and not asynchronous:
         where, step = cli.stall.split(":")
         trainer.stall = (where, int(step))
     resumed_from = resolve_resume_checkpoint(True, cli.output_dir) if cli.resume else None
@@ -165,8 +200,18 @@ def main() -> None:
         for entry in trainer.state.log_history
         if "loss" in entry
     }
+    staleness = {
+        entry["step"]: entry["async/staleness_max"]
+        for entry in trainer.state.log_history
+        if "async/staleness_max" in entry
+    }
     if trainer.accelerator.is_main_process:
-        result = {"resumed_from": resumed_from, "trained_steps": trained_steps, "logged": logged}
+        result = {
+            "resumed_from": resumed_from,
+            "trained_steps": trained_steps,
+            "logged": logged,
+            "staleness": staleness,
+        }
         print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -234,6 +234,7 @@ class AtomicCheckpointMixin:
             self._reshard_deepspeed_checkpoint(resume_from_checkpoint)
         handler = PreemptionHandler()
         callback = PreemptionCallback(handler, self._any_rank)
+        self._preemption = callback
         pid_file = None
         if option(self.args, "save_on_preemption") and handler.install():
             self.add_callback(callback)
@@ -426,6 +427,14 @@ class AtomicCheckpointMixin:
             self._unmarked = (*self._unmarked, (path, self.state.global_step, writing, run_dir, limit))
             return
         self._mark_complete(path, self.state.global_step, run_dir, limit)
+
+    def _seconds_since_preemption(self) -> float | None:
+        """Seconds since every rank agreed to stop on a preemption signal (the save now is the preemption's);
+        None outside a preemption."""
+        callback = getattr(self, "_preemption", None)
+        if callback is None or callback.decided_at is None:
+            return None
+        return callback.handler.clock() - callback.decided_at
 
     def _save_extra_state(self, checkpoint_dir: str) -> None:
         """Seam: trainer state transformers does not save (GRPO's rollout buffer, PPO's critic), written on every

@@ -119,10 +119,12 @@ class PreemptionCallback(TrainerCallback):
         self.handler = handler
         self.any_rank = any_rank  # True on every rank when it is True on one (a MAX all-reduce)
         self.preempted_at: int | None = None
+        self.decided_at: float | None = None  # the handler's clock when every rank agreed to stop (a grace's start)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.preempted_at is None and self.any_rank(self.handler.received is not None):
             self.preempted_at = state.global_step
+            self.decided_at = self.handler.clock()
             control.should_save = True
             control.should_training_stop = True
         return control

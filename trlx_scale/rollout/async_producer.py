@@ -274,11 +274,12 @@ class RolloutProducer:
                 self._held -= 1
             self._poke()
 
-    def admitted_groups(self, timeout: float) -> list[ScoredGroup]:
+    def admitted_groups(self, timeout: float, partial: bool = False) -> list[ScoredGroup]:
         """Every group not taken yet that the published version admits, in order, once each is sampled and scored;
         they stay queued for ``take``. A checkpoint saves them (``rollout_window``): a resumed run no longer has the
         weights that sampled them. ``queue_maxsize`` does not hold them back (they are at most ``max_staleness + 1``
-        steps' worth); ``max_inflight_tasks`` does."""
+        steps' worth); ``max_inflight_tasks`` does. ``partial`` (a preemption's save, bounded by its grace period):
+        after ``timeout`` return the ready ones before the first missing one instead of raising."""
         deadline = time.monotonic() + timeout
         with self._lock:
             end = self._next_take
@@ -288,15 +289,33 @@ class RolloutProducer:
         self._poke()
         with self._lock:
             wanted = range(self._next_take, end)
-            self._wait_until_ready(
-                wanted,
-                deadline,
-                lambda missing: (
-                    f"groups {missing[:8]} were not sampled after {timeout:.0f} s (published version "
-                    f"{self._published}): the generation server answers too slowly or not at all."
-                ),
-            )
+            try:
+                self._wait_until_ready(
+                    wanted,
+                    deadline,
+                    lambda missing: (
+                        f"groups {missing[:8]} were not sampled after {timeout:.0f} s (published version "
+                        f"{self._published}): the generation server answers too slowly or not at all."
+                    ),
+                )
+            except TimeoutError:
+                if not partial:
+                    raise
+                ready = []
+                for index in wanted:
+                    if index not in self._ready:
+                        break
+                    ready.append(self._ready[index])
+                return ready
             return [self._ready[index] for index in wanted]
+
+    def admitted_count(self) -> int:
+        """How many groups the published version admits that are not taken yet (``admitted_groups``' length)."""
+        with self._lock:
+            end = self._next_take
+            while self.schedule.may_start(end, self._published):
+                end += 1
+            return end - self._next_take
 
     def _wait_until_ready(self, wanted: range, deadline: float, timed_out: Callable[[list[int]], str]) -> None:
         """With the lock held: block until every group of ``wanted`` is ready. The producer's error, its closing,

@@ -100,6 +100,17 @@ class AsyncGRPOConfig(GRPOConfig):
             "choices": ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
         },
     )
+    preemption_grace_period: float = field(
+        default=20.0,
+        metadata={
+            "help": "Seconds a preemption's save (SIGTERM, SIGUSR1) waits for the groups in flight that its "
+            "checkpoint's rollout window needs, counted from the end of the step the signal came in. Past it they "
+            "are cancelled and the resumed run samples them again, deterministically, from the checkpoint's weights "
+            "(fresher, inside the bound). Default 20: well inside Kubernetes' default 30 s grace and a Slurm "
+            "--signal=USR1@60 notice, with room for the step in progress and the save itself. Regular saves wait up "
+            "to request_timeout, as before."
+        },
+    )
     weight_sync_verify_tolerance: float | None = field(
         default=None,
         metadata={
@@ -139,6 +150,11 @@ class AsyncGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"eval_strategy={evaluation!r}: evaluation during asynchronous training is not supported yet "
                 "(the server's stream is the training prompts'). Set eval_strategy='no' and evaluate the saved model."
+            )
+        if self.preemption_grace_period < 0:
+            raise ValueError(
+                f"preemption_grace_period must be >= 0 seconds, got {self.preemption_grace_period}: it bounds how "
+                "long a preempted save waits for the groups in flight (0: not at all)."
             )
         if self.request_timeout <= 0 or self.vllm_server_timeout <= 0:
             raise ValueError("request_timeout and vllm_server_timeout must be positive (seconds).")

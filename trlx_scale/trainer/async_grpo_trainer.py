@@ -325,13 +325,36 @@ class AsyncGRPOTrainer(GRPOTrainer):
         engine = self.vllm_generation
         if engine is None:  # no rollout yet: nothing was sampled
             return
-        with failing_together(self.accelerator, "waiting for the rollout window of the checkpoint"):
-            groups = engine.producer.admitted_groups(timeout=self.args.request_timeout)
-        settings = self._window_settings(
-            self._schedule.groups_per_version, engine.producer.next_index, self._schedule.oldest_version
-        )
+        groups, oldest = self._checkpoint_window(engine.producer)
+        settings = self._window_settings(self._schedule.groups_per_version, engine.producer.next_index, oldest)
         path = os.path.join(checkpoint_dir, WINDOW_STATE_NAME.format(self.accelerator.process_index))
         save_window(path, groups, settings)
+
+    def _checkpoint_window(self, producer: RolloutProducer) -> tuple[list, int]:
+        """The groups a checkpoint carries and the oldest version its schedule continues from. A regular save waits
+        for every admitted group (up to request_timeout). A preemption's waits what is left of
+        ``preemption_grace_period``; if any rank's window is still incomplete then, every rank saves none (their
+        schedules must agree): the resumed run samples those groups again, seeded as before, from the checkpoint's
+        weights, and the requests in flight are cancelled when training stops."""
+        since = self._seconds_since_preemption()
+        what = "waiting for the rollout window of the checkpoint"
+        if since is None:
+            with failing_together(self.accelerator, what):
+                return producer.admitted_groups(timeout=self.args.request_timeout), self._schedule.oldest_version
+        grace = max(0.0, self.args.preemption_grace_period - since)
+        with failing_together(self.accelerator, what):
+            groups = producer.admitted_groups(timeout=grace, partial=True)
+            missing = producer.admitted_count() - len(groups)
+        if not self._any_rank(missing > 0):
+            return groups, self._schedule.oldest_version
+        logger.warning(
+            "Preempted: %d of this rank's groups were still in flight after the %.0f s grace period "
+            "(preemption_grace_period); they are cancelled, and the resumed run samples them again from the "
+            "checkpoint's weights.",
+            missing,
+            self.args.preemption_grace_period,
+        )
+        return [], self.state.global_step
 
     def _load_extra_state(self, checkpoint_dir: str) -> None:
         super()._load_extra_state(checkpoint_dir)
