@@ -29,6 +29,7 @@ NEW_METHODS = {
         "_log_behaviour",
         "_window_settings",
         "_continued_window",
+        "_checkpoint_window",
         "close_generation",
     },
     GRPOTrainer: {
