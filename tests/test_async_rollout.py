@@ -207,16 +207,17 @@ class _FailingSampler:
         return SampledGroup(completion_ids=[[1]] * request.num_generations, logprobs=[[-1.0]], version=version)
 
 
-def _producer(sampler, max_staleness=1) -> RolloutProducer:
+def _producer(sampler, max_staleness=1, **overrides) -> RolloutProducer:
+    settings = dict(prompt_for=str, max_inflight_tasks=4)
+    settings.update(overrides)
     producer = RolloutProducer(
-        prompt_for=str,
         sampler=sampler,
         score=_length_reward,
         schedule=StalenessSchedule(groups_per_version=1, max_staleness=max_staleness),
         num_generations=2,
         seed=0,
-        max_inflight_tasks=4,
         queue_maxsize=8,
+        **settings,
     )
     producer.start()
     producer.publish_version(0)
@@ -250,19 +251,13 @@ def test_a_crash_in_the_producers_own_scheduling_is_raised_at_once_with_its_trac
             raise KeyError(f"no seed for group {index}")
         return index
 
-    producer = RolloutProducer(
+    producer = _producer(
+        _FailingSampler(fail_at=-1),
+        max_staleness=4,
         prompt_for=_prompt_that_fails_at_group_2 if failing == "prompt_for" else str,
         seed_for=seed_that_fails_at_group_2 if failing == "seed_for" else None,
-        sampler=_FailingSampler(fail_at=-1),
-        score=_length_reward,
-        schedule=StalenessSchedule(groups_per_version=1, max_staleness=4),
-        num_generations=2,
-        seed=0,
         max_inflight_tasks=1,
-        queue_maxsize=8,
     )
-    producer.start()
-    producer.publish_version(0)
     try:
         assert [group.index for group in producer.take(2, timeout=10)] == [0, 1]
         began = time.monotonic()
