@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers.launch import REPO_ROOT, descendants, launch_env
 from trlx_scale.generation.server_watchdog import wrapped_command
-from trlx_scale.generation.vllm_server import free_port
+from trlx_scale.generation.vllm_server import ServerLaunch, VLLMServerProcess, free_port
 
 # A stand-in for vLLM's API server: listens on a port and starts an "engine" child that ignores SIGTERM (as a busy
 # engine process may), so only the watchdog's SIGKILL of the whole group ends it.
@@ -42,6 +42,25 @@ TRAINER_STARTING_A_STAND_IN = textwrap.dedent(
     server = subprocess.Popen(argv, start_new_session=True)
     print(server.pid, flush=True)
     time.sleep(600)
+    """
+)
+
+# A stand-in that answers /health as vLLM's server does, with the same SIGTERM-ignoring engine child.
+STAND_IN_HTTP_SERVER = textwrap.dedent(
+    """
+    import subprocess, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    engine = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
     """
 )
 
@@ -123,22 +142,32 @@ def test_the_watchdog_exits_with_the_servers_code():
     assert subprocess.run(argv, timeout=30).returncode == 3
 
 
-def test_a_sigkilled_watchdog_still_takes_the_server_with_it():
-    port = free_port()
-    trainer, watchdog = _start_trainer(TRAINER_STARTING_A_STAND_IN, STAND_IN_SERVER, str(port))
+class _StandInLaunch(ServerLaunch):
+    def arguments(self, python: str | None = None) -> list[str]:
+        return [sys.executable, "-c", STAND_IN_HTTP_SERVER, str(self.port)]
+
+
+def test_a_sigkilled_watchdog_takes_the_server_with_it_and_stop_ends_what_is_left():
+    """SIGKILL the watchdog itself (as a test that kills ``server.process`` does): the kernel kills the server, its
+    port closes, and its engine child (which ignores SIGTERM, like a busy vLLM engine) is ended by
+    ``VLLMServerProcess.stop`` through the server's group. Before, that engine lived on (seen in a full run: two
+    orphaned ``VLLM::EngineCore`` processes holding 1.9 GB each until the machine stopped)."""
+    server = VLLMServerProcess(_StandInLaunch(model="stand-in"), startup_timeout=30).start()
     try:
-        _wait_until_listening(port, timeout=30)
-        server = descendants(watchdog)[0]
-        os.kill(watchdog, signal.SIGKILL)
+        engine = [pid for pid in descendants(server.process.pid) if pid != server._server_group()]
+        assert len(engine) == 1 and server.server_group_alive()
+        os.kill(server.process.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while _alive(server) or _listening(port):
+        while _listening(server.launch.port):
             assert time.monotonic() < deadline, "the server outlived its SIGKILLed watchdog by 10 s"
             time.sleep(0.2)
+        assert _alive(engine[0]) and server.server_group_alive()  # what the kernel's signal does not reach
     finally:
-        for pid in descendants(trainer.pid):
-            os.kill(pid, signal.SIGKILL)
-        trainer.kill()
-        trainer.wait(timeout=10)
+        server.stop()
+    deadline = time.monotonic() + 5
+    while server.server_group_alive() or _alive(engine[0]):
+        assert time.monotonic() < deadline, "stop() left the server's engine running"
+        time.sleep(0.1)
 
 
 @pytest.mark.slow

@@ -18,7 +18,9 @@ leader of the server's session and:
    engine processes and the port are gone within seconds (tested: ``tests/engine/test_server_watchdog.py``);
 4. when the server exits on its own, exits with the server's code (start-up failures read as before);
 5. if the watchdog itself is SIGKILLed, the server gets SIGKILL from the kernel (``PR_SET_PDEATHSIG``, set in the
-   single-threaded watchdog, on Linux), and vLLM's engine processes exit when their parent does;
+   single-threaded watchdog, on Linux). vLLM's engine process does not exit with it (seen: an orphaned
+   ``VLLM::EngineCore`` holding 1.9 GB): the watchdog writes the server's pid (``--server-pid-file``), and
+   ``VLLMServerProcess.stop`` ends the server's whole group from it, whatever became of the watchdog;
 6. on SIGTERM or SIGINT (``VLLMServerProcess.stop`` signals the watchdog), ends the server's group as in step 3
    and exits with the server's code.
 
@@ -43,9 +45,15 @@ POLL_SECONDS = 0.25
 GRACE_SECONDS = 5.0
 
 
-def wrapped_command(argv: list[str], parent_pid: int, python: str | None = None) -> list[str]:
-    """``argv`` run under the watchdog, bound to process ``parent_pid``."""
-    return [python or sys.executable, os.path.abspath(__file__), "--parent-pid", str(parent_pid), "--", *argv]
+def wrapped_command(
+    argv: list[str], parent_pid: int, server_pid_file: str | None = None, python: str | None = None
+) -> list[str]:
+    """``argv`` run under the watchdog, bound to process ``parent_pid``; the server's pid (its process group's id)
+    is written to ``server_pid_file`` when given."""
+    command = [python or sys.executable, os.path.abspath(__file__), "--parent-pid", str(parent_pid)]
+    if server_pid_file:
+        command += ["--server-pid-file", server_pid_file]
+    return [*command, "--", *argv]
 
 
 def _die_with_parent() -> None:
@@ -78,7 +86,7 @@ def _end_group(group: int, server: subprocess.Popen) -> None:
         pass
 
 
-def watch(argv: list[str], parent_pid: int) -> int:
+def watch(argv: list[str], parent_pid: int, server_pid_file: str | None = None) -> int:
     """Run ``argv`` while process ``parent_pid`` is this process's parent (the module docstring's steps)."""
     if os.getppid() != parent_pid:  # the parent died before the watchdog got here
         return 1
@@ -91,6 +99,12 @@ def watch(argv: list[str], parent_pid: int) -> int:
     signal.signal(signal.SIGINT, forward)
     server = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent)
     group = server.pid
+    if server_pid_file:
+        # Whoever started the watchdog can end the server's group even once the watchdog is gone (step 5: the
+        # kernel's SIGKILL reaches the server alone; vLLM's engine processes outlive it).
+        with open(server_pid_file + ".tmp", "w") as handle:
+            handle.write(f"{server.pid}\n")
+        os.replace(server_pid_file + ".tmp", server_pid_file)
     try:
         while True:
             code = server.poll()
@@ -118,12 +132,13 @@ def watch(argv: list[str], parent_pid: int) -> int:
 def main(args: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parent-pid", type=int, required=True, help="the trainer's pid: the server ends with it")
+    parser.add_argument("--server-pid-file", default=None, help="where to write the server's pid")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the server's argv, after --")
     parsed = parser.parse_args(args)
     command = parsed.command[1:] if parsed.command[:1] == ["--"] else parsed.command
     if not command:
         parser.error("no server command after --")
-    return watch(command, parsed.parent_pid)
+    return watch(command, parsed.parent_pid, parsed.server_pid_file)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,9 @@ class VLLMServerProcess:
         self.startup_timeout = startup_timeout
         self.bound_to_parent = bound_to_parent
         self.log_path = log_path or tempfile.mkstemp(prefix="trlx-scale-vllm-server-", suffix=".log")[1]
+        # The server's pid, written by the watchdog: its process group holds vLLM's engine processes.
+        self.server_pid_file = self.log_path + ".server.pid"
+        self._group: int | None = None
         self.process: subprocess.Popen | None = None
 
     @property
@@ -152,7 +155,7 @@ class VLLMServerProcess:
         with open(self.log_path, "ab") as log:
             argv = self.launch.arguments()
             if self.bound_to_parent:
-                argv = wrapped_command(argv, parent_pid=os.getpid())
+                argv = wrapped_command(argv, parent_pid=os.getpid(), server_pid_file=self.server_pid_file)
             self.process = subprocess.Popen(
                 argv,
                 env=self.launch.environment(),
@@ -165,6 +168,7 @@ class VLLMServerProcess:
         while True:
             code = self.process.poll()
             if code is not None:
+                self._end_server_group()
                 raise VLLMServerStartError(
                     f"the vLLM server for {self.launch.model} exited with code {code} during start-up. "
                     f"The end of its log ({self.log_path}):\n{self.log_tail()}"
@@ -231,6 +235,43 @@ class VLLMServerProcess:
             except ProcessLookupError:
                 pass
             break
+        self._end_server_group()
+
+    def _server_group(self) -> int | None:
+        """The server's process group under the watchdog (None: not bound, or not started yet)."""
+        if self._group is None:
+            try:
+                with open(self.server_pid_file) as handle:
+                    self._group = int(handle.read().strip())
+            except (OSError, ValueError):
+                return None
+        return self._group
+
+    def server_group_alive(self) -> bool:
+        """Whether any process of the server's group (vLLM's API server, its engine processes) still runs."""
+        group = self._server_group() if self.bound_to_parent else (self.process.pid if self.process else None)
+        if group is None:
+            return False
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _end_server_group(self) -> None:
+        """SIGKILL what is left of the server's group: the watchdog ends it on its way out, but a watchdog killed
+        by SIGKILL could not (its server then dies by the kernel's signal and leaves vLLM's engine behind)."""
+        group = self._server_group()
+        if group is None:
+            return
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.remove(self.server_pid_file)
+        except OSError:
+            pass
 
     def __enter__(self) -> VLLMServerProcess:
         return self.start()

@@ -282,9 +282,7 @@ class RolloutProducer:
         after ``timeout`` return the ready ones before the first missing one instead of raising."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            end = self._next_take
-            while self.schedule.may_start(end, self._published):
-                end += 1
+            end = self._admitted_end()
             self._drain_until = end
         self._poke()
         with self._lock:
@@ -312,10 +310,14 @@ class RolloutProducer:
     def admitted_count(self) -> int:
         """How many groups the published version admits that are not taken yet (``admitted_groups``' length)."""
         with self._lock:
-            end = self._next_take
-            while self.schedule.may_start(end, self._published):
-                end += 1
-            return end - self._next_take
+            return self._admitted_end() - self._next_take
+
+    def _admitted_end(self) -> int:
+        """With the lock held: one past the last group the published version admits."""
+        end = self._next_take
+        while self.schedule.may_start(end, self._published):
+            end += 1
+        return end
 
     def _wait_until_ready(self, wanted: range, deadline: float, timed_out: Callable[[list[int]], str]) -> None:
         """With the lock held: block until every group of ``wanted`` is ready. The producer's error, its closing,
@@ -343,7 +345,10 @@ class RolloutProducer:
             self._closed = True
             self._lock.notify_all()
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._cancel_all)
+            try:
+                self._loop.call_soon_threadsafe(self._cancel_all)
+            except RuntimeError:  # the loop closed in between (it stopped on an error): nothing left to cancel
+                pass
             self._thread.join(timeout=30)
 
     # ---------------------------------------------------------------- the event loop's side
