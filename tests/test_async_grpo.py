@@ -5,6 +5,7 @@ server faults are errors."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -75,6 +76,10 @@ def test_max_staleness_zero_is_the_synchronous_trainer(server, default_model_dir
         torch.tensor(logged(overlapped, "grad_norm")), torch.tensor(logged(sync, "grad_norm")), rtol=1e-3, atol=1e-5
     )
     assert logged(overlapped, "async/staleness_max") == [0.0] * 4
+    # The colocated engine's vLLM state is process-wide: free it now, not in a garbage collection that may land inside
+    # a later engine's start-up (seen after this module grew: "world group is not initialized" in test_grpo_trainer).
+    del sync
+    gc.collect()
 
 
 def test_staleness_is_bounded_and_every_version_verified(default_model_dir, tmp_path):
@@ -427,6 +432,9 @@ def test_a_preempted_save_does_not_wait_past_its_grace_period(server, tmp_path):
 
     pids = tmp_path / "pids"
     slow = ["--slow_groups_from", "3", "--slow_rank", "1", "--preemption_grace_period", "1"]
+    # Steps of 1.5 s at least: the signal, sent right after step 2, lands inside step 3 (a signal that came after
+    # step 3's end would be acted on at step 4's, which waits for group 3's minute-long scoring first).
+    slow += ["--slow_steps", "1.5"]
     code, output, finished, seconds = signal_once_progressed(
         _interrupted_async(tmp_path / "run", server, "--pid_dir", str(pids), *slow, processes=2),
         pids,

@@ -425,8 +425,10 @@ def test_dpo_chosen_and_rejected_train_like_the_padded_run(tmp_path, default_mod
         trainer.train()
         runs[setting] = trainer
     assert runs["true"]._padding_free_decision
+    # fp32 rounding of the two passes compounds over the 3 optimizer steps: up to 1.5e-5 relative (loss, ld_alpha)
+    # on an AVX-512 Xeon, where rtol=1e-5 failed on the unchanged code; a masking error moves these by 1e-2 or more.
     for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins"):
-        torch.testing.assert_close(logged(runs["true"], key), logged(runs["false"], key), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logged(runs["true"], key), logged(runs["false"], key), rtol=5e-5, atol=1e-6)
     pad_fracs = zip(logged(runs["true"], "batch/pad_frac"), logged(runs["false"], "batch/pad_frac"), strict=True)
     for packed, padded in pad_fracs:
         assert packed <= padded  # (the pairs here are of similar lengths: rows as wide as the longest rarely pair)
