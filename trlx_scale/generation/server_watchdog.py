@@ -67,19 +67,22 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def _end_group(group: int, server: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after ``GRACE_SECONDS``: vLLM's engine processes share it."""
-    for sig, wait in ((signal.SIGTERM, GRACE_SECONDS), (signal.SIGKILL, 2.0)):
+def end_process_group(
+    group: int, leader: subprocess.Popen, grace: float = GRACE_SECONDS, kill_wait: float = 2.0
+) -> None:
+    """SIGTERM to process group ``group``, SIGKILL if ``leader`` has not exited ``grace`` seconds later, then SIGKILL
+    to whatever the group still holds (vLLM's engine processes share the server's group). Also
+    ``VLLMServerProcess.stop``'s, on the watchdog's own group."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_wait)):
         try:
             os.killpg(group, sig)
         except ProcessLookupError:
             return
         try:
-            server.wait(timeout=wait)
+            leader.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             continue
         break
-    # The server itself is gone; what it left in its group goes with the group.
     try:
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:
@@ -92,11 +95,11 @@ def watch(argv: list[str], parent_pid: int, server_pid_file: str | None = None) 
         return 1
     stopping = {"signal": None}
 
-    def forward(signum, frame):
+    def record_stop(signum, frame):
         stopping["signal"] = signum
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, record_stop)
+    signal.signal(signal.SIGINT, record_stop)
     server = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent)
     group = server.pid
     if server_pid_file:
@@ -109,10 +112,10 @@ def watch(argv: list[str], parent_pid: int, server_pid_file: str | None = None) 
         while True:
             code = server.poll()
             if code is not None:
-                _end_group(group, server)  # engine processes a dying server left behind
+                end_process_group(group, server)  # engine processes a dying server left behind
                 return code
             if stopping["signal"] is not None:  # VLLMServerProcess.stop, or a user's kill of the watchdog
-                _end_group(group, server)
+                end_process_group(group, server)
                 return server.returncode if server.returncode is not None else 1
             if os.getppid() != parent_pid:
                 print(
@@ -121,11 +124,11 @@ def watch(argv: list[str], parent_pid: int, server_pid_file: str | None = None) 
                     file=sys.stderr,
                     flush=True,
                 )
-                _end_group(group, server)
+                end_process_group(group, server)
                 return 1
             time.sleep(POLL_SECONDS)
     except BaseException:
-        _end_group(group, server)
+        end_process_group(group, server)
         raise
 
 

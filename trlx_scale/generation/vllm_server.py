@@ -34,7 +34,7 @@ import httpx
 
 from ..compat.vllm_server_entrypoint import server_command
 from .cpu_environment import KVCACHE_SPACE_ENV, running_on_cpu_only
-from .server_watchdog import GRACE_SECONDS, wrapped_command
+from .server_watchdog import GRACE_SECONDS, end_process_group, wrapped_command
 
 LOG_TAIL_LINES = 40
 
@@ -220,21 +220,7 @@ class VLLMServerProcess:
         if self.process is None:
             return
         timeout = max(timeout, GRACE_SECONDS + 3.0) if self.bound_to_parent else timeout
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-            # The API server is gone; its engine processes share the session and get the same signal.
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            break
+        end_process_group(self.process.pid, self.process, grace=timeout, kill_wait=5.0)
         self._end_server_group()
 
     def _server_group(self) -> int | None:
