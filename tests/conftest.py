@@ -75,8 +75,11 @@ def vllm_engine(default_model_dir, _engine_cache):
     from vllm import LLM
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
+    from trlx_scale.compat.vllm_engine_finalizers import finalize_dropped_engines
+
     if "llm" not in _engine_cache or not model_parallel_is_initialized():
         _engine_cache.pop("llm", None)
+        finalize_dropped_engines()  # a dropped trainer's engine must not reset the groups inside this start-up
         _engine_cache["llm"] = LLM(
             model=default_model_dir,
             dtype="float32",

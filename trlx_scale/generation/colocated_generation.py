@@ -35,6 +35,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from trl.import_utils import is_vllm_available
 from trl.trainer.utils import ensure_master_addr_port
 
+from ..compat.vllm_engine_finalizers import finalize_dropped_engines
 from ..compat.vllm_weight_reload import tied_weight_aliases, with_tied_aliases
 from ..peft_models import is_peft_model
 from ..profiling.phase_timer import PhaseTimer
@@ -181,6 +182,10 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         if self.sync_mode == "lora":
             self._lora_sync = LoRAAdapterSync(self.model, self._dist.gather_params, self._engine_torch_dtype())
 
+        # A dropped trainer's engine, freed by the garbage collector inside this start-up, would reset vLLM's
+        # process-global groups (and torch's default group) under the new engine: shut such engines down first,
+        # before any group of this engine exists.
+        finalize_dropped_engines()
         self._join_tensor_parallel_group()
         self._export_launcher_environment()
         engine = LLM(**self.llm_kwargs())
