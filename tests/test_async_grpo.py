@@ -9,6 +9,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -41,13 +42,22 @@ def server(default_model_dir):
     process.stop()
 
 
-def _async(tmp_path, default_model_dir, server=None, peft_config=None, train_size=64, **overrides):
+def _async(
+    tmp_path,
+    default_model_dir,
+    server=None,
+    peft_config=None,
+    train_size=64,
+    reward_funcs=exact_match_reward,
+    **overrides,
+):
     if server is not None:
         overrides.setdefault("vllm_server_base_url", server.url)
-    args = small_grpo_config(tmp_path / "async", AsyncGRPOConfig, max_steps=4, **overrides)
+    overrides.setdefault("max_steps", 4)
+    args = small_grpo_config(tmp_path / "async", AsyncGRPOConfig, **overrides)
     return AsyncGRPOTrainer(
         model=default_model_dir,
-        reward_funcs=exact_match_reward,
+        reward_funcs=reward_funcs,
         args=args,
         train_dataset=addition_dataset("train", size=train_size),
         peft_config=peft_config,
@@ -106,6 +116,56 @@ def test_staleness_is_bounded_and_every_version_verified(default_model_dir, tmp_
     assert len(logged(trainer, "async/sampler_trainer_kl")) == 4
     assert all(0.0 <= frac <= 1.0 for frac in logged(trainer, "async/behaviour_weight_clip_frac"))
     assert trainer.vllm_generation is None  # closed: producer stopped, server stopped
+
+
+class _FlakyLoggingReward:
+    """exact_match_reward with TRL's reward-function arguments checked and used: its first call raises (so the guard
+    retries sample by sample) and so does the first retry (one sample fails); every call logs a metric and a column."""
+
+    __name__ = "flaky_reward"
+
+    def __init__(self):
+        self.calls, self.states, self._lock = 0, [], threading.Lock()
+
+    def __call__(self, prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **columns):
+        with self._lock:  # the scorer runs several groups at once
+            call, self.calls = self.calls, self.calls + 1
+            self.states.append(trainer_state)
+        if call < 2:
+            raise ValueError("the verifier timed out")
+        log_metric("flaky/samples", float(len(prompts)))
+        log_extra("flaky_note", [f"{len(ids)} tokens" for ids in completion_ids])
+        return exact_match_reward(completions=completions, **columns)
+
+
+def test_reward_functions_get_trls_arguments_and_the_guard(server, default_model_dir, tmp_path):
+    """As in GRPOTrainer: with reward_errors="skip" a sample whose reward raised scores NaN and the run goes on (it
+    stopped before); log_metric's values are logged at the step that trains the group; trainer_state is a snapshot
+    taken when the group was admitted (not the live state the trainer moves on); and an infinite reward is refused
+    with the function's name, on the rank's next step."""
+    from trlx_scale.reliability.reward_guard import RewardFunctionError
+
+    reward = _FlakyLoggingReward()
+    trainer = _async(
+        tmp_path, default_model_dir, server, reward_funcs=reward, max_staleness=1, max_steps=3, reward_errors="skip"
+    )
+    trainer.train()
+    assert sum(logged(trainer, "reliability/reward_errors")) == 1.0
+    # One value per step, from the groups that step trained: the last step's groups were scored whole (4 samples).
+    samples = logged(trainer, "flaky/samples")
+    assert len(samples) == 3 and samples[-1] == 4.0
+    assert "flaky_note" in trainer._logs["extra"]
+    assert reward.states and all(state is not trainer.state for state in reward.states)
+    # Steps 0-1 were admitted with version 0 (a window of 2), step 2's groups when version 1 was published and the
+    # groups of a fourth step (scored, never trained) with version 2: each saw the state of its admission.
+    assert {state.global_step for state in reward.states} == {0, 1, 2}
+
+    def infinite_reward(completions, **kwargs):
+        return [float("inf")] + [0.0] * (len(completions) - 1)
+
+    refusing = _async(tmp_path / "inf", default_model_dir, server, reward_funcs=infinite_reward, max_steps=2)
+    with pytest.raises(RewardFunctionError, match="infinite_reward' returned inf"):
+        refusing.train()
 
 
 def test_lora_versions_are_adapters_of_their_own(server, default_model_dir, default_model, tmp_path):

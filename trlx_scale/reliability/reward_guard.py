@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +50,8 @@ class GuardedRewardFunction:
         self.__name__ = get_callable_name(func)  # TRL names the reward's metrics after it (partials, instances too)
         self.errors: list[str] = []  # messages of this rank since the last check (raise mode, or inf)
         self.skipped = 0  # samples scored NaN in skip mode since the last check
+        # The asynchronous producer scores several groups at once in a thread pool: reports are taken atomically.
+        self._report_lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -61,7 +64,7 @@ class GuardedRewardFunction:
             rewards = self._score_one_by_one(prompts, completions, kwargs)
         for index, reward in enumerate(rewards):
             if reward is not None and isinstance(reward, (int, float)) and math.isinf(reward):
-                self.errors.append(
+                self._record_error(
                     f"reward function '{self.name}' returned {reward} for sample {index} (completion "
                     f"{_preview(completions[index])!r}); rewards must be finite (return None to skip a sample)."
                 )
@@ -87,9 +90,10 @@ class GuardedRewardFunction:
             except Exception as error:  # noqa: BLE001
                 rewards.append(None)
                 if self.mode == "skip":
-                    self.skipped += 1
+                    with self._report_lock:
+                        self.skipped += 1
                 else:
-                    self.errors.append(
+                    self._record_error(
                         f"reward function '{self.name}' raised {type(error).__name__}: {error} on sample {index} "
                         f"of this rank's batch (prompt {_preview(prompts[index])!r}, completion "
                         f"{_preview(completions[index])!r}). Fix the function, or set reward_errors='skip' to score "
@@ -97,9 +101,14 @@ class GuardedRewardFunction:
                     )
         return rewards
 
+    def _record_error(self, message: str) -> None:
+        with self._report_lock:
+            self.errors.append(message)
+
     def pop_report(self) -> tuple[list[str], int]:
-        errors, skipped = self.errors, self.skipped
-        self.errors, self.skipped = [], 0
+        with self._report_lock:
+            errors, skipped = self.errors, self.skipped
+            self.errors, self.skipped = [], 0
         return errors, skipped
 
 

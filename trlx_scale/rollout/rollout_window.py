@@ -23,9 +23,14 @@ import torch
 
 from ..atomic_files import replace_atomically
 from .async_producer import GroupRequest, SampledGroup, ScoredGroup
+from .reward_logs import REWARD_LOG_KEY, GroupRewardLog
 
 WINDOW_STATE_NAME = "async_rollout_window_rank{}.pt"
 FORMAT_VERSION = 1
+
+
+def _reward_log(group: ScoredGroup) -> GroupRewardLog:
+    return group.sampled.extras.get(REWARD_LOG_KEY) or GroupRewardLog(len(group.sampled.completion_ids))
 
 
 def save_window(path: str, groups: list[ScoredGroup], settings: dict[str, int]) -> None:
@@ -45,6 +50,8 @@ def save_window(path: str, groups: list[ScoredGroup], settings: dict[str, int]) 
         "lengths": torch.tensor([len(ids) for ids in completions], dtype=torch.long),
         "completion_ids": torch.tensor([token for ids in completions for token in ids], dtype=torch.long),
         "logprobs": torch.tensor([value for values in logprobs for value in values], dtype=torch.float64),
+        # What the reward functions logged through log_metric: the resumed run reports it at the step that trains them.
+        "reward_metrics": [[list(pair) for pair in _reward_log(group).metrics] for group in groups],
         "rewards": [
             torch.tensor(
                 [[math.nan if value is None else value for value in row] for row in group.rewards], dtype=torch.float64
@@ -79,6 +86,10 @@ def load_window(path: str) -> tuple[dict[str, int], list[ScoredGroup]]:
             logprobs=[logprobs[row + i].tolist() for i in range(size)],
             version=state["sampled_versions"][position],
             prompt_ids=prompt_ids,
+        )
+        metrics = state.get("reward_metrics", [[]] * len(state["indices"]))[position]
+        sampled.extras[REWARD_LOG_KEY] = GroupRewardLog(
+            size, metrics=[(name, float(value)) for name, value in metrics]
         )
         rewards = state["rewards"][position].tolist()
         groups.append(ScoredGroup(request, sampled, rewards, state["staleness"][position]))

@@ -54,6 +54,7 @@ from ..reliability.rank_agreement import failing_together
 from ..rollout.async_producer import GroupRequest, RolloutProducer, SampledGroup
 from ..rollout.batch import RolloutBatch
 from ..rollout.prompt_stream import RankPromptStream
+from ..rollout.reward_logs import REWARD_LOG_KEY, GroupRewardLog, replay_reward_logs
 from ..rollout.reward_scoring import ConcurrentRewardScorer
 from ..rollout.rollout_window import WINDOW_STATE_NAME, load_window, save_window, window_mismatch
 from ..rollout.staleness import StalenessSchedule
@@ -145,7 +146,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.args.use_vllm = True
         self.use_vllm = True
         self._check_vllm_only_options()
-        self._async_reward_funcs = functions
+        # TRL's list, with GRPOTrainer's guard around each synchronous function (reward_errors, non-finite rewards).
+        self._async_reward_funcs = list(self.reward_funcs)
         self._last_loaded_step = -1
         self.vllm_generation: ServerGeneration | None = None
         self._prompt_stream: RankPromptStream | None = None
@@ -390,6 +392,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
             entries[self._next_prefetch] = {
                 "row": row,
                 "prompt_ids": list(self._tokenize_prompts([row["prompt"]])[0][0]),
+                # What TRL passes reward functions as `trainer_state`, fixed when the group is admitted: the producer
+                # scores while the trainer's own state moves on.
+                "trainer_state": copy.copy(self.state),
             }
             self._next_prefetch += 1
         with self._prompt_lock:
@@ -417,8 +422,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
         else:
             completions = texts
         columns = {key: [value] * size for key, value in row.items() if key not in ("prompt", "completion")}
+        log = GroupRewardLog(size)  # replayed at the step that trains the group (rollout/reward_logs.py)
+        sampled.extras[REWARD_LOG_KEY] = log
         return await self._reward_scorer.score(
-            [row["prompt"]] * size, completions, sampled.completion_ids, trainer_state=self.state, **columns
+            [row["prompt"]] * size,
+            completions,
+            sampled.completion_ids,
+            trainer_state=request.prompt["trainer_state"],
+            log_metric=log.log_metric,
+            log_extra=log.log_extra,
+            **columns,
         )
 
     # ---------------------------------------------------------------- the rollout
@@ -445,6 +458,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             dtype=torch.float32,
             device=self.accelerator.device,
         )
+        replay_reward_logs(
+            [group.sampled.extras[REWARD_LOG_KEY] for group in groups], self._log_metric, self._log_completion_extra
+        )
+        self._report_reward_errors()  # what the guard recorded while the producer scored, on every rank at once
         rewards_per_func = gather(local)
         self._rollout_rewards = rewards_per_func
         return rewards_per_func

@@ -179,14 +179,19 @@ class GRPOTrainer(RankBalanceMixin, PaddingFreeMixin, TrainerFeatures, TRLGRPOTr
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self.phase_timer.phase("reward"):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-            skipped = raise_reward_errors(self.reward_funcs, self.accelerator)  # the same error on every rank
-        if option(self.args, "reward_errors") == "skip":
-            mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["reliability/reward_errors"].append(float(skipped))
+            self._report_reward_errors()
         # TRL turns these into advantages inside _generate_and_score_completions and returns only those: they join
         # the RolloutBatch that call produces (the attribute lives for that call only).
         self._rollout_rewards = rewards_per_func
         return rewards_per_func
+
+    def _report_reward_errors(self) -> None:
+        """The guarded reward functions' failures as the same error on every rank (call it at the same point on
+        each); in skip mode, the count of samples scored NaN as ``reliability/reward_errors``."""
+        skipped = raise_reward_errors(self.reward_funcs, self.accelerator)
+        if option(self.args, "reward_errors") == "skip":
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["reliability/reward_errors"].append(float(skipped))
 
     def _generate_and_score_completions(self, inputs):
         version = self.policy_version  # the engine serves it for this rollout (ensure_version)
