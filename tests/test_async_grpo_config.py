@@ -22,6 +22,18 @@ from .helpers.trainers import small_grpo_config
         ({"eval_strategy": "steps", "eval_steps": 5}, "eval_strategy='steps'.*Set eval_strategy='no'"),
         ({"request_timeout": 0}, "must be positive"),
         ({"async_reward_workers": 0}, "async_reward_workers must be at least 1"),
+        # A truncating or penalising sampler would bias the correction (its log-probs are not the trainer's).
+        ({"top_p": 0.9}, "top_p=0.9: .*weights of an unchanged policy would not be 1"),
+        ({"top_k": 5}, "top_k=5: .*Leave top_k at its default"),
+        ({"min_p": 0.1}, "min_p=0.1: "),
+        ({"repetition_penalty": 1.2}, "repetition_penalty=1.2: "),
+        # What the server would never receive.
+        ({"generation_kwargs": {"stop": ["\n"]}}, "generation_kwargs is set, but AsyncGRPOTrainer does not send"),
+        ({"vllm_structured_outputs_regex": "[0-9]+"}, "vllm_structured_outputs_regex is set"),
+        (
+            {"vllm_max_model_length": 128, "vllm_server_base_url": "http://127.0.0.1:1"},
+            "give them --max-model-len and unset the field",
+        ),
     ],
 )
 def test_bad_settings_are_named(tmp_path, overrides, message):

@@ -160,6 +160,41 @@ class AsyncGRPOConfig(GRPOConfig):
             raise ValueError("request_timeout and vllm_server_timeout must be positive (seconds).")
         if self.async_reward_workers < 1:
             raise ValueError(f"async_reward_workers must be at least 1, got {self.async_reward_workers}.")
+        self._check_sampling_settings()
+
+    def _check_sampling_settings(self) -> None:
+        """Refuse, by name, each generation field that would not reach the server or would bias the correction."""
+        # A truncating or penalising sampler: the server reports log-probs of the processed distribution it sampled
+        # from, the trainer computes those of the plain temperature-scaled one, so pi_prox / pi_behave is not 1 even
+        # for an unchanged policy (measured: top_p=0.9 at max_staleness=0 gave behaviour weights of 0.90-0.91).
+        biased = {
+            "top_p": self.top_p is not None and self.top_p < 1.0,
+            "top_k": bool(self.top_k) and self.top_k > 0,
+            "min_p": bool(self.min_p),
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+        }
+        for name, is_set in biased.items():
+            if is_set:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r}: under asynchronous generation the off-policy correction needs "
+                    "the sampler's and the trainer's log-probs of the same distribution, and the trainer's ignore "
+                    f"{name} (the weights of an unchanged policy would not be 1). Leave {name} at its default and "
+                    "shape the distribution with temperature, or use GRPOTrainer."
+                )
+        unsent = {
+            "generation_kwargs": "the server's sampling parameters are the config's fields",
+            "vllm_structured_outputs_regex": "structured outputs are not requested from the server yet",
+        }
+        for name, why in unsent.items():
+            if getattr(self, name, None):
+                raise ValueError(
+                    f"{name} is set, but AsyncGRPOTrainer does not send it to the server ({why}): unset it."
+                )
+        if self.vllm_max_model_length and self.vllm_server_base_url:
+            raise ValueError(
+                f"vllm_max_model_length={self.vllm_max_model_length} applies to a server the trainer starts; the "
+                "servers at vllm_server_base_url were started by you: give them --max-model-len and unset the field."
+            )
 
     @property
     def server_urls(self) -> list[str]:

@@ -199,6 +199,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                     max_loras=self.args.max_staleness + 2,
                     max_lora_rank=rank or 16,
                     seed=self.args.seed,
+                    max_model_len=self.args.vllm_max_model_length,
                     devices=self.args.vllm_server_devices,
                 )
                 process = VLLMServerProcess(launch, startup_timeout=self.args.vllm_server_timeout).start()
