@@ -391,8 +391,8 @@ def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(se
     answering HTTP 500 to the weight update (only the main process sends it), an update acknowledged but never
     applied (the main process's verification fails), the server gone. Before, the rank that did not fail waited in
     the next collective (a barrier, a ZeRO-3 gather, the gradients' all-reduce) until its timeout. Now every rank
-    raises the same RankFailureError, naming the failing rank and its error, seconds after the injection
-    (request_timeout is 300 s: no wait for it).
+    raises the same error (RankFailureError; for the reward, the guard's RewardFunctionError), naming the failing rank
+    and its error, seconds after the injection (request_timeout is 300 s: no wait for it).
 
     Between them, a LoRA policy with adapter-only sync: each sync gathers the adapter's bytes on each rank and
     nothing more (it gathered the whole model), while the full-weight runs gather the whole model."""
@@ -416,12 +416,14 @@ def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(se
         run_command(command, timeout=900)
         injected = list(proxy.injected)
     ranks = [json.loads((tmp_path / f"faults.rank{rank}.json").read_text()) for rank in range(2)]
+    # The reward function's failure is the guard's (GRPOTrainer's RewardFunctionError, naming the rank, the sample and
+    # the function); the rest are the rank agreement's.
     expected = {
-        "reward_rank1": ("rank 1", "the verifier on rank 1 crashed"),
-        "producer_rank1": ("rank 1", "rank 1 has no prompt for group"),
-        "server_500": ("rank 0", "500"),
-        "lost_update": ("rank 0", "does not serve policy version"),
-        "server_dead": ("rank", ""),
+        "reward_rank1": ("RewardFunctionError", "rank 1", "the verifier on rank 1 crashed"),
+        "producer_rank1": ("RankFailureError", "rank 1", "rank 1 has no prompt for group"),
+        "server_500": ("RankFailureError", "rank 0", "500"),
+        "lost_update": ("RankFailureError", "rank 0", "does not serve policy version"),
+        "server_dead": ("RankFailureError", "rank", ""),
     }
     lora = [rank.pop(4) for rank in ranks]
     for outcome in lora:
@@ -432,9 +434,9 @@ def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(se
         assert outcome["gathered_bytes"] and max(outcome["gathered_bytes"]) > outcome["model_bytes"] / 2, outcome
     for on_rank0, on_rank1 in zip(*ranks, strict=True):
         fault = on_rank0["fault"]
-        failing_rank, words = expected[fault]
+        error, failing_rank, words = expected[fault]
         for outcome in (on_rank0, on_rank1):
-            assert outcome["error"] == "RankFailureError", (fault, outcome)
+            assert outcome["error"] == error, (fault, outcome)
             assert f"{failing_rank}" in outcome["message"] and words in outcome["message"], (fault, outcome)
             assert outcome["seconds_after_injection"] < 60, (fault, outcome)
             assert 2 <= outcome["steps"] < 6, (fault, outcome)
