@@ -27,7 +27,7 @@ run: $(STAMP)
 		examples/grpo.py $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 $(ARGS)
+	$(PY) -m pytest -q --durations=30 $(ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)

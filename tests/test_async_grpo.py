@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import sys
 import threading
@@ -156,9 +157,11 @@ def test_reward_functions_get_trls_arguments_and_the_guard(server, default_model
     assert len(samples) == 3 and samples[-1] == 4.0
     assert "flaky_note" in trainer._logs["extra"]
     assert reward.states and all(state is not trainer.state for state in reward.states)
-    # Steps 0-1 were admitted with version 0 (a window of 2), step 2's groups when version 1 was published and the
-    # groups of a fourth step (scored, never trained) with version 2: each saw the state of its admission.
-    assert {state.global_step for state in reward.states} == {0, 1, 2}
+    # Steps 0-1 were admitted with version 0 (a window of 2) and step 2's groups when version 1 was published: each
+    # saw the state of its admission. Groups of a fourth step (scored, never trained) may have been admitted with
+    # version 2 before the run stopped, or not: how far the producer got is timing.
+    admitted_at = {state.global_step for state in reward.states}
+    assert {0, 1} <= admitted_at <= {0, 1, 2}, admitted_at
 
     def infinite_reward(completions, **kwargs):
         return [float("inf")] + [0.0] * (len(completions) - 1)
@@ -504,7 +507,12 @@ def test_a_preempted_save_does_not_wait_past_its_grace_period(server, tmp_path):
         [signal.SIGTERM],
     )
     assert code != 0, output[-4000:]  # the launcher reports its workers' exit code 75 as a failure
-    assert output.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") == 2, output[-4000:]  # both workers: "resume me"
+    # The first worker to exit with 75 is the launcher's root cause; the other exits with 75 too unless the launcher
+    # stopped it first (it SIGTERMs the workers left once one has exited non-zero; whether it beats the second
+    # worker's own exit is timing). That both ranks saved the step is checked below, from their windows.
+    assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in output, output[-4000:]
+    exit_codes = re.findall(r"exitcode  : (-?\d+)", output)
+    assert set(exit_codes) <= {str(PREEMPTED_EXIT_CODE), str(-signal.SIGTERM)}, output[-4000:]
     assert finished == 3, output[-4000:]  # the step in progress when the signal came
     assert "were still in flight after the 1 s grace period" in output
     assert seconds < 30, seconds  # waiting for the slow groups would take 60 s
