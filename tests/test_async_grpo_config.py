@@ -17,10 +17,18 @@ from .helpers.trainers import small_grpo_config
     [
         ({"max_staleness": -1}, "max_staleness must be >= 0"),
         ({"max_staleness": 1, "weight_sync_steps": 3}, r"weight_sync_steps \(3\) must be between 1 and max_staleness"),
-        ({"num_iterations": 2}, "set num_iterations=1"),
-        ({"gradient_accumulation_steps": 2, "steps_per_generation": 1}, "must equal gradient_accumulation_steps"),
-        ({"eval_strategy": "steps", "eval_steps": 5}, "eval_strategy='steps'.*Set eval_strategy='no'"),
+        ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "must be a multiple of gradient_accumulation"),
+        (
+            {"num_iterations": 2, "eval_strategy": "steps", "eval_steps": 3},
+            "eval_steps=3 with 2 optimizer steps per rollout.*multiple of 2",
+        ),
+        (
+            {"eval_strategy": "steps", "eval_steps": 5, "max_staleness": 2, "weight_sync_steps": 2},
+            "eval_strategy='steps' with weight_sync_steps=2: .*Set weight_sync_steps=1",
+        ),
         ({"request_timeout": 0}, "must be positive"),
+        ({"vllm_server_weight_transfer": "ipc"}, "vllm_server_weight_transfer='ipc': choose 'files'"),
+        ({"sequence_behaviour_weight": "median"}, "sequence_behaviour_weight='median': choose 'product'"),
         ({"async_reward_workers": 0}, "async_reward_workers must be at least 1"),
         # A truncating or penalising sampler would bias the correction (its log-probs are not the trainer's).
         ({"top_p": 0.9}, "top_p=0.9: .*weights of an unchanged policy would not be 1"),

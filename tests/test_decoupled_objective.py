@@ -100,3 +100,38 @@ def test_the_weight_bounds_a_stale_samples_gradient():
 def test_bad_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         behaviour_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), **kwargs)
+
+
+def test_padding_the_engine_left_nan_changes_nothing():
+    """The engine's log-probs of padding positions may be NaN: the weights, the KL and the loss are those of the
+    real tokens alone (a product with the mask would have made them NaN)."""
+    prox = torch.tensor([[math.log(3.0), math.log(0.5), 0.0]])
+    behave = torch.tensor([[0.0, 0.0, float("nan")]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    for level in ("token", "sequence"):
+        weights, _ = behaviour_weights(prox, behave, mask, level=level, cap=2.0)
+        clean, _ = behaviour_weights(prox, torch.zeros(1, 3), mask, level=level, cap=2.0)
+        assert torch.equal(weights, clean), level
+    assert abs(behaviour_kl(prox, behave, mask).item() - 0.547267) < 1e-5
+    logps = prox.clone().requires_grad_(True)
+    loss, _ = decoupled_policy_loss(logps, prox, behave, torch.tensor([1.0]), mask, 0.2, 0.2)
+    assert abs(loss.item() - (-1.25)) < 1e-6
+
+
+def test_the_trainers_geometric_mean_sequence_weight_is_the_reference_one():
+    """losses/vllm_importance_sampling.py's sequence weight with sequence_normalisation="mean" (the asynchronous
+    trainer's sequence_behaviour_weight="geometric_mean") is decoupled_objective's sequence weight; "sum" is TRL's
+    product of the token ratios."""
+    from trlx_scale.losses.vllm_importance_sampling import vllm_importance_sampling_ratio
+
+    torch.manual_seed(0)
+    prox, behave = torch.randn(4, 6) * 0.3, torch.randn(4, 6) * 0.3
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0]]).float()
+    mean = vllm_importance_sampling_ratio(prox, behave, mask, "sequence_truncate", None, 3.0, "mean")
+    reference, _ = behaviour_weights(prox, behave, mask, "sequence", "truncate", cap=3.0)
+    assert torch.allclose(mean, reference)
+    product = vllm_importance_sampling_ratio(prox, behave, mask, "sequence_truncate", None, 3.0)
+    expected = torch.exp(((prox - behave) * mask).sum(-1, keepdim=True)).clamp(max=3.0)
+    assert torch.allclose(product, expected) and not torch.allclose(product, mean)
+    with pytest.raises(ValueError, match="sequence_normalisation must be one of"):
+        vllm_importance_sampling_ratio(prox, behave, mask, "sequence_truncate", None, 3.0, "median")

@@ -101,7 +101,7 @@ def run_variant(accelerator: Accelerator, url: str, name: str) -> dict:
         generation.ensure_version(0)  # raises WeightDeliveryError if the server's probe differs
         probe_0 = generation._last_probe.clone()
         if accelerator.is_main_process:
-            written_dir = generation._version_dirs[0]
+            written_dir = generation.transport.files.directories[0]
             if sync_mode == "full":
                 written = load_file(os.path.join(written_dir, server_weights.WEIGHTS_FILE))
                 reference = unsharded_reference(kind)

@@ -80,6 +80,8 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             driven by hand, as in tests and benchmarks): every sync pushes, and an asleep engine syncs on waking.
     """
 
+    in_training_processes = True  # the planner counts the engine in each training process's memory
+
     def __init__(
         self,
         *args,

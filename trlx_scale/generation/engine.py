@@ -1,9 +1,10 @@
 """The rollout engine as an interface: what a trainer asks of whatever generates its rollouts.
 
-Trainers talk to ``RolloutEngine`` only and build it with ``build_engine``; the engine behind it is today's colocated
-vLLM (``ColocatedVLLMGeneration``: vLLM in the training processes, sleep/wake, LoRA-only sync). An engine on a vLLM
-server (asynchronous generation) is another implementation of the same interface, chosen by ``build_engine``, with
-its own weight transport (``weight_transport``).
+Trainers talk to ``RolloutEngine`` only and build it with ``build_engine``; two engines implement it:
+``kind="colocate"`` (``ColocatedVLLMGeneration``: vLLM in the training processes, sleep/wake, LoRA-only sync, its
+weights through ``weight_transport.InProcessTransport``) and ``kind="server"`` (``ServerGeneration``: vLLM servers
+fed by the asynchronous producer, its weights through ``server_weight_transports``: files, an adapter per version,
+or NCCL).
 
 The contract:
 
@@ -27,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..profiling.phase_timer import PhaseTimer
 from .colocated_generation import ColocatedVLLMGeneration
 from .engine_fields import engine_options
+from .server_generation import ServerGeneration
 
 
 @runtime_checkable
@@ -36,6 +38,9 @@ class RolloutEngine(Protocol):
     served_version: int | None
     phase_timer: PhaseTimer
     excluded_parameter_prefixes: tuple[str, ...]
+    # Whether the engine's weights and KV cache live in the training processes' memory (the colocated engine) or on
+    # devices of their own (servers): the memory planner counts the first only.
+    in_training_processes: bool
 
     def generate(self, prompts: list, images: Any, num_generations: int, profiler: Any = None) -> tuple: ...
 
@@ -48,7 +53,7 @@ class RolloutEngine(Protocol):
     def pop_metrics(self) -> dict[str, float]: ...
 
 
-ENGINE_KINDS = ("colocate",)
+ENGINE_KINDS = ("colocate", "server")
 
 
 def build_engine(
@@ -64,9 +69,17 @@ def build_engine(
 ) -> RolloutEngine:
     """The engine for ``args``: trlx_scale's engine fields (their plain-TRL meaning for a TRL config), plus
     ``settings``, the arguments the trainer decides (sampling, lengths, batch). ``policy_version`` returns the
-    trainer's current policy version; ``phase_timer`` is the trainer's profiler (a weight sync is its own phase)."""
+    trainer's current policy version; ``phase_timer`` is the trainer's profiler (a weight sync is its own phase).
+
+    ``kind="server"``: vLLM servers (``ServerGeneration``), with ``settings`` its parts as the asynchronous trainer
+    builds them: the client, the producer and its staleness schedule, the weight transport, the probe."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {ENGINE_KINDS}, got {kind!r}.")
+    if kind == "server":
+        engine = ServerGeneration(model=model, accelerator=accelerator, policy_version=policy_version, **settings)
+        if phase_timer is not None:
+            engine.phase_timer = phase_timer
+        return engine
     options = {**engine_options(args, getattr(model, "dtype", None)), **settings}
     engine = ColocatedVLLMGeneration(
         model=model,

@@ -4,8 +4,8 @@
 ``GRPOTrainer`` hands it the colocated one. Two duties:
 
 1. Weights (``ensure_version``): at every ``weight_sync_steps``-th policy version the trainer's weights go to every
-   server as files (``server_weights``): the LoRA adapter under the version's own name, or the full (merged)
-   weights reloaded in place. Every update is verified, not trusted (verl 7495: an adapter never delivered, and the
+   server through a ``ServerWeightTransport`` (``server_weight_transports``: the LoRA adapter as files under the
+   version's own name, the full (merged) weights as files reloaded in place, or vLLM's NCCL transfer on GPUs). Every update is verified, not trusted (verl 7495: an adapter never delivered, and the
    rollouts sampled the initial policy for the whole run): the servers' log-probs of a probe sequence must match
    the trainer's own by the new weights within ``verify_tolerance``, else the run stops with an error. Then the
    version is published to the producer, and the adapters no group can still ask for are unloaded. A full-weight
@@ -13,10 +13,12 @@
    the tag of weights that did not sample it.
 2. Completions (``generate``): TRL's call for a rollout takes the producer's next groups, checks that their prompts
    are the ones TRL tokenized, and returns them in TRL's shape. The groups stay available (``last_groups``) for the
-   rewards the producer computed.
+   rewards the producer computed. An evaluation rollout's prompts are sampled at once instead, by the version
+   served, seeded as the colocated engine seeds them.
 
 Gathering weights is a collective under ZeRO-3, so every rank runs ``ensure_version``; the main process alone
-writes files and talks to the servers, then every rank publishes the version to its own producer.
+writes and talks to the servers (the transport's business), then every rank publishes the version to its own
+producer.
 
 Faults reach every rank (``reliability.rank_agreement.failing_together``): a failure of the main process's send or
 verification, of any rank's hold before a reload, or of any rank's ``take`` (its producer: a server that died, a
@@ -33,19 +35,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from trl.distributed import DistributedBackend
 
 from ..compat.vllm_cpu_lora_scoring import lora_breaks_prompt_logprobs
-from ..peft_models import is_peft_model
 from ..profiling.phase_timer import PhaseTimer
 from ..reliability.rank_agreement import failing_together
-from ..rollout.async_producer import RolloutProducer, ScoredGroup
+from ..rollout.async_producer import GroupRequest, RolloutProducer, ScoredGroup
 from ..rollout.staleness import StalenessSchedule
-from . import server_weights
 from .cpu_environment import running_on_cpu_only
+from .rollout_seeds import RolloutSeedContext, request_seed
 from .server_client import ServerError, VLLMServerClient
+from .server_weight_transports import ServerWeightTransport, build_server_transport
 from .vllm_server import VLLMServerProcess
-from .weight_sync import adapter_parameters, is_fsdp2_sharded, partitioned_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class WeightDeliveryError(RuntimeError):
 
 class ServerGeneration:
     """See the module docstring."""
+
+    in_training_processes = False  # the planner's question: the servers' memory is on devices of their own
 
     def __init__(
         self,
@@ -73,6 +75,7 @@ class ServerGeneration:
         server_process: VLLMServerProcess | None = None,
         before_publish: Callable[[int], None] | None = None,
         weights_dtype: torch.dtype | None = None,
+        transport: ServerWeightTransport | None = None,
     ):
         self.model = model
         self.accelerator = accelerator
@@ -86,16 +89,19 @@ class ServerGeneration:
         self.server_process = server_process
         self.before_publish = before_publish  # the trainer's prompt prefetch for the groups a version admits
         self.weights_dtype = weights_dtype  # the servers' dtype: full weights are written in it
+        # How versions travel (server_weight_transports): files by default, an adapter per version for LoRA.
+        self.transport = transport or build_server_transport(
+            "files", accelerator=accelerator, client=client, weights_dtype=weights_dtype, weights_root=weights_root
+        )
         self.sync_mode = "lora" if client.lora else "full"
         self.served_version: int | None = None
         self.phase_timer = PhaseTimer(enabled=False)
         self.excluded_parameter_prefixes: tuple[str, ...] = ()
         self.last_groups: list[ScoredGroup] = []
-        self._dist = DistributedBackend(accelerator)
-        self._weights_root = weights_root
-        self._version_dirs: dict[int, str] = {}
         self._last_probe: torch.Tensor | None = None  # the trainer's probe log-probs of the last delivered version
         self._metrics: dict[str, float] = {}
+        self._seed_context: RolloutSeedContext | None = None
+        self._delivered: list[int] = []  # versions sent and not released (their files, on the main process)
         self._closed = False
 
     # ---------------------------------------------------------------- weights
@@ -115,7 +121,7 @@ class ServerGeneration:
                         self._verify(version)
                 self.accelerator.wait_for_everyone()
                 if not self.accelerator.is_main_process:  # the main process updated the servers for every rank
-                    self.client.record_update(version, self._version_dirs.get(version))
+                    self.client.record_update(version)
             self.served_version = version
             if self.before_publish is not None:
                 self.before_publish(version)
@@ -130,64 +136,13 @@ class ServerGeneration:
         """TRL's name for it: bring the servers to the trainer's current version."""
         self.ensure_version(self._policy_version())
 
-    def _version_dir(self, version: int, size_bytes: int) -> str:
-        if self._weights_root is None:
-            self._weights_root = server_weights.version_root(size_bytes)
-        return f"{self._weights_root}/v{version}"
-
     def _send(self, version: int) -> float:
-        """Write ``version``'s files (main process) and load them on every server; returns the paused seconds."""
-        model = self.accelerator.unwrap_model(self.model)
-        if is_fsdp2_sharded(model):
-            self._write_fsdp2(model, version)
-        else:
-            # An adapter-only sync needs the adapter alone: under ZeRO-3 gathering the whole model on every rank at
-            # once is what runs out of memory at the 30B and 70B recipes' sizes.
-            gathered = adapter_parameters(model) if self.sync_mode == "lora" else list(model.parameters())
-            self._metrics["sync/gathered_bytes"] = float(partitioned_bytes(gathered))
-            with torch.no_grad(), self._dist.gather_params(gathered):
-                if self.accelerator.is_main_process:
-                    path = self._version_dir(version, self._model_bytes(model))
-                    if self.sync_mode == "lora":
-                        server_weights.write_adapter(model, path)
-                    elif is_peft_model(model):
-                        model.merge_adapter()
-                        try:
-                            server_weights.write_full_weights(model, path, self.weights_dtype)
-                        finally:
-                            model.unmerge_adapter()
-                    else:
-                        server_weights.write_full_weights(model, path, self.weights_dtype)
-                    self._version_dirs[version] = path
-        paused = 0.0
-        if self.accelerator.is_main_process:
-            if self.sync_mode == "lora":
-                self.client.load_adapter(version, self._version_dirs[version])
-            else:
-                paused, _ = self.client.reload_weights(version, self._version_dirs[version])
-        return paused
-
-    def _write_fsdp2(self, model: torch.nn.Module, version: int) -> None:
-        """FSDP2: every rank gathers the shards tensor by tensor (collectives), the main process writes the files."""
-        main = self.accelerator.is_main_process
-        with torch.no_grad():
-            if self.sync_mode == "lora":
-                tensors = server_weights.gathered_adapter(model, keep=main)
-            else:
-                tensors = server_weights.gathered_full_weights(model, keep=main)
-        if main:
-            path = self._version_dir(version, self._model_bytes(model))
-            if self.sync_mode == "lora":
-                server_weights.save_adapter(model, tensors, path)
-            else:
-                server_weights.save_full_weights(tensors, path, self.weights_dtype)
-            self._version_dirs[version] = path
-
-    def _model_bytes(self, model: torch.nn.Module) -> int:
-        """The size of the files a version writes: every parameter (ZeRO-3 partitions report it in ds_numel,
-        DTensors in numel), in the servers' dtype when known."""
-        size = None if self.weights_dtype is None else self.weights_dtype.itemsize
-        return sum(getattr(p, "ds_numel", p.numel()) * (size or p.element_size()) for p in model.parameters())
+        """Deliver ``version`` through the transport (every rank); returns the seconds the servers were paused."""
+        delivery = self.transport.deliver(self.accelerator.unwrap_model(self.model), version)
+        self._delivered.append(version)
+        if delivery.gathered_bytes is not None:
+            self._metrics["sync/gathered_bytes"] = delivery.gathered_bytes
+        return delivery.paused_seconds
 
     @contextlib.contextmanager
     def _hold_for_reload(self):
@@ -275,18 +230,22 @@ class ServerGeneration:
                 self.client.unload_adapter(version)
             else:
                 self.client.loaded_adapters.pop(version)
-        for version in sorted(self._version_dirs):
-            if version < oldest_needed:
-                server_weights.remove_version(self._version_dirs.pop(version))
+        for version in [v for v in self._delivered if v < oldest_needed]:
+            self.transport.release(version)
+            self._delivered.remove(version)
 
     # ---------------------------------------------------------------- completions
     def set_rollout_seed(self, seed: int, step: int, mode: str = "train") -> None:
-        """Seeds are the producer's (a function of the run's seed, the group and its version)."""
+        """Training seeds are the producer's (a function of the run's seed, the group and its version); this context
+        seeds evaluation, which samples outside the schedule, as the colocated engine seeds it."""
+        self._seed_context = RolloutSeedContext(seed, self.accelerator.process_index, step, mode)
 
     def generate(self, prompts, images, num_generations, profiler=None):
         """TRL's vLLM ``generate``: ``prompts`` are token-id rows, each group's prompt ``num_generations`` times."""
         if images is not None and any(image is not None for image in images):
             raise ValueError("asynchronous generation takes text prompts only (the batch has images).")
+        if self._seed_context is not None and self._seed_context.mode == "eval":
+            return self._generate_for_evaluation(prompts, num_generations)
         count = len(prompts) // num_generations
         with failing_together(self.accelerator, "taking this step's rollout groups"):
             groups = self.producer.take(count, timeout=self.request_timeout)
@@ -303,6 +262,27 @@ class ServerGeneration:
         logprobs = [[[value] for value in values] for group in groups for values in group.sampled.logprobs]
         for name, value in self.producer.pop_metrics().items():
             self._metrics[name] = value
+        return list(prompts), completion_ids, logprobs, None
+
+    def _generate_for_evaluation(self, prompts, num_generations):
+        """Evaluation's prompts are not the producer's stream: sampled now, by the version served (the trainer's
+        current weights: the trainer sent them before evaluating), on the producer's loop beside its groups."""
+        context = self._seed_context
+        requests = [
+            GroupRequest(
+                index=position,
+                prompt={"prompt_ids": list(prompts[start])},
+                num_generations=num_generations,
+                version=self.served_version,
+                seed=request_seed(context, prompts[start], context.rank * len(prompts) + start),
+            )
+            for position, start in enumerate(range(0, len(prompts), num_generations))
+        ]
+        with failing_together(self.accelerator, "sampling the evaluation prompts on the servers"):
+            groups = self.producer.sample_now(requests, timeout=self.request_timeout)
+        self.last_groups = []  # nothing of the producer's was taken: the rewards are scored by TRL
+        completion_ids = [ids for group in groups for ids in group.completion_ids]
+        logprobs = [[[value] for value in values] for group in groups for values in group.logprobs]
         return list(prompts), completion_ids, logprobs, None
 
     def sequence_logprobs(self, sequences: list[list[int]], use_adapter: bool = False) -> list[list[float]]:
@@ -326,8 +306,7 @@ class ServerGeneration:
                 except ServerError as error:
                     logger.warning("could not unload policy version %d's adapter: %s", version, error)
                     break
-        for path in self._version_dirs.values():
-            server_weights.remove_version(path)
-        self._version_dirs.clear()
+        self.transport.close()
+        self._delivered.clear()
         if self.server_process is not None:
             self.server_process.stop()

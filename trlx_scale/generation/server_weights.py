@@ -49,7 +49,7 @@ def _publish(staging: str, final: str) -> str:
     return final
 
 
-def _checkpoint_name(name: str, peft: bool) -> str | None:
+def checkpoint_name(name: str, peft: bool) -> str | None:
     """A base model's state-dict key under the name vLLM loads (None: an adapter tensor, not part of the model)."""
     if not peft:
         return name
@@ -83,7 +83,7 @@ def write_full_weights(model: torch.nn.Module, directory: str, dtype: torch.dtyp
     tensors = {}
     for name, parameter in base.state_dict().items():
         # A merged PEFT model: its layers' own weights, under the checkpoint's names.
-        name = _checkpoint_name(name, peft)
+        name = checkpoint_name(name, peft)
         if name is not None:
             tensors[name] = parameter.detach().to("cpu").contiguous()
     return save_full_weights(_with_aliases(tensors, base), directory, dtype)
@@ -146,7 +146,7 @@ def gathered_full_weights(model: torch.nn.Module, keep: bool) -> dict[str, torch
     aliases = set(tied_weight_aliases(base).values())
     tensors = {}
     for name, parameter in base.state_dict().items():
-        target = _checkpoint_name(name, peft)
+        target = checkpoint_name(name, peft)
         if target is None or target in aliases:
             continue
         layer = merged_layers.get(name)

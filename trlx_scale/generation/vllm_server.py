@@ -21,6 +21,7 @@ On CPU its KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 unless exported), as fo
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -67,6 +68,7 @@ class ServerLaunch:
     seed: int = 0
     devices: str | None = None
     kvcache_space_gib: int = 1
+    weight_transfer: str | None = None  # vLLM's weight-transfer backend ("nccl"); None: updates through files
     extra_args: Sequence[str] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -90,6 +92,8 @@ class ServerLaunch:
             argv += ["--max-model-len", str(self.max_model_len)]
         if self.enable_lora:
             argv += ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
+        if self.weight_transfer:
+            argv += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         return argv + list(self.extra_args)
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -48,7 +48,7 @@ def behaviour_weights(
     if not cap >= 1.0:
         raise ValueError(f"the behaviour weight cap must be at least 1 (1 keeps no off-policy token), got {cap}.")
     mask = mask.to(prox_logps.dtype)
-    log_weight = (prox_logps - behave_logps).detach() * mask
+    log_weight = _masked_log_ratio(prox_logps, behave_logps, mask)
     if level == "sequence":
         log_weight = (log_weight.sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     weight = torch.exp(log_weight)
@@ -67,9 +67,15 @@ def behaviour_kl(prox_logps: torch.Tensor, behave_logps: torch.Tensor, mask: tor
     estimator (r - 1 - log r, r = pi_prox / pi_behave): unbiased, never negative. It measures how far the sampler
     drifted from the trainer: staleness plus the engine's numerics."""
     mask = mask.to(prox_logps.dtype)
-    log_ratio = (prox_logps - behave_logps).detach()
+    log_ratio = _masked_log_ratio(prox_logps, behave_logps, mask)
     per_token = torch.exp(log_ratio) - 1.0 - log_ratio
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _masked_log_ratio(prox_logps: torch.Tensor, behave_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log pi_prox - log pi_behave on the real tokens, 0 elsewhere, without gradient. Selected, not multiplied by the
+    mask: the engine's log-probs of padding (or of a token it could not score) may be NaN, and NaN * 0 is NaN."""
+    return torch.where(mask.bool(), (prox_logps - behave_logps).detach(), torch.zeros_like(prox_logps))
 
 
 def decoupled_policy_loss(

@@ -18,6 +18,9 @@ import math
 import torch
 
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# A sequence's weight from its tokens' log-ratios: TRL's product ("sum": exp of their sum) or GSPO's geometric mean
+# ("mean": exp of their mean, the length normalisation of GSPO's own ratio).
+SEQUENCE_NORMALISATIONS = ("sum", "mean")
 
 
 def is_sequence_level(mode: str) -> bool:
@@ -31,14 +34,23 @@ def vllm_importance_sampling_ratio(
     mode: str,
     clip_min: float | None,
     clip_max: float | None,
+    sequence_normalisation: str = "sum",
 ) -> torch.Tensor:
     """The correction weights: (B, T) for token modes, (B, 1) for sequence modes. ``mask``: the completion tokens
-    (times the tool mask). A token vLLM could not score (NaN) gets a zero difference: ratio 1, no correction."""
+    (times the tool mask). A token vLLM could not score (NaN) gets a zero difference: ratio 1, no correction.
+    ``sequence_normalisation``: a sequence mode's weight is the product of its token ratios ("sum", TRL's) or
+    their geometric mean ("mean")."""
     if mode not in MODES:
         raise ValueError(f"vllm_importance_sampling_mode must be one of {MODES}, got {mode!r}.")
+    if sequence_normalisation not in SEQUENCE_NORMALISATIONS:
+        raise ValueError(
+            f"sequence_normalisation must be one of {SEQUENCE_NORMALISATIONS}, got {sequence_normalisation!r}."
+        )
     difference = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
     if is_sequence_level(mode):
         difference = difference.sum(dim=-1, keepdim=True)
+        if sequence_normalisation == "mean":
+            difference = difference / mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
     ratio = torch.exp(difference)
     if mode.endswith("truncate"):
         return torch.clamp(ratio, min=clip_min, max=clip_max)

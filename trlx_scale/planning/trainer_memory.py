@@ -203,8 +203,9 @@ class PlannedMemoryMixin:
         return getattr(self.args, "num_generations", None) or 2
 
     def _planner_engine(self):
-        """The colocated engine this trainer runs, if any."""
-        return getattr(self, "vllm_generation", None) if getattr(self, "use_vllm", False) else None
+        """The colocated engine this trainer runs, if any (an engine on servers holds no memory here)."""
+        engine = getattr(self, "vllm_generation", None) if getattr(self, "use_vllm", False) else None
+        return engine if getattr(engine, "in_training_processes", True) else None
 
     def _planner_extra_roles(self) -> dict:
         """RunSpec fields a trainer adds for its own roles (PPO: critic, reference)."""

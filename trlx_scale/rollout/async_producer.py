@@ -28,6 +28,7 @@ no group in flight: the engine had nothing to do), ``async/groups_in_flight`` an
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import threading
@@ -306,6 +307,28 @@ class RolloutProducer:
                     ready.append(self._ready[index])
                 return ready
             return [self._ready[index] for index in wanted]
+
+    def sample_now(self, requests: Sequence[GroupRequest], timeout: float) -> list[SampledGroup]:
+        """Sample ``requests`` on the producer's event loop, beside the schedule (evaluation): not scored, queued,
+        or counted in the metrics; the schedule's groups keep going meanwhile. The sampler's client belongs to that
+        loop, hence not a loop of the caller's."""
+        with self._lock:
+            if self._error is not None:
+                raise RolloutProducerError(f"the rollout producer failed: {_described(self._error)}") from self._error
+            if self._closed or self._stopped or self._loop is None:
+                raise RolloutProducerError("the rollout producer is not running.")
+
+        async def sample_all() -> list[SampledGroup]:
+            return list(await asyncio.gather(*(self.sampler.sample(request) for request in requests)))
+
+        future = asyncio.run_coroutine_threadsafe(sample_all(), self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(
+                f"{len(requests)} groups sampled outside the schedule took over {timeout:.0f} s."
+            ) from None
 
     def admitted_count(self) -> int:
         """How many groups the published version admits that are not taken yet (``admitted_groups``' length)."""

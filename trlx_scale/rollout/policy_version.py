@@ -83,3 +83,37 @@ class _CountPolicyUpdates(TrainerCallback):
         trainer = self._trainer()
         if trainer is not None and trainer._weights_were_updated():
             trainer.policy_version += 1
+
+
+class RolloutPolicyVersions:
+    """Asynchronous generation: the policy version of the weights published for each rollout.
+
+    The staleness schedule counts rollouts (one per optimizer step: ``max_staleness`` bounds how many rollouts
+    behind a sample may be, and the sampling seeds name the rollout), while a sample's ``policy_version`` counts the
+    weight updates behind it, as everywhere else: a step the non-finite guard skipped advanced the first and not the
+    second. The trainer records, before publishing rollout ``r``'s weights, the policy version they are; the producer
+    tags each group with the version of the rollout that sampled it (``tag``, read on its thread after the
+    publish, so the entry is there). Written by the trainer's thread only; a dict is safe to read across threads.
+    """
+
+    EXTRAS_KEY = "policy_version"  # in SampledGroup.extras, saved with the checkpoint's rollout window
+
+    def __init__(self) -> None:
+        self._by_rollout: dict[int, int] = {}
+
+    def record(self, rollout: int, policy_version: int) -> None:
+        self._by_rollout.setdefault(rollout, policy_version)
+
+    def tag(self, sampled) -> None:
+        """Set ``sampled.extras[EXTRAS_KEY]``, the policy version of the rollout that sampled the group."""
+        if self.EXTRAS_KEY in sampled.extras:  # restored from a checkpoint's window
+            return
+        if sampled.version not in self._by_rollout:
+            raise RuntimeError(
+                f"a group was sampled by rollout {sampled.version}'s weights, which were never published."
+            )
+        sampled.extras[self.EXTRAS_KEY] = self._by_rollout[sampled.version]
+
+    @classmethod
+    def of(cls, sampled) -> int:
+        return int(sampled.extras[cls.EXTRAS_KEY])

@@ -23,6 +23,7 @@ import torch
 
 from ..atomic_files import replace_atomically
 from .async_producer import GroupRequest, SampledGroup, ScoredGroup
+from .policy_version import RolloutPolicyVersions
 from .reward_logs import REWARD_LOG_KEY, GroupRewardLog
 
 WINDOW_STATE_NAME = "async_rollout_window_rank{}.pt"
@@ -45,6 +46,8 @@ def save_window(path: str, groups: list[ScoredGroup], settings: dict[str, int]) 
         "seeds": [group.request.seed for group in groups],
         "sampled_versions": [group.sampled.version for group in groups],
         "staleness": [group.staleness for group in groups],
+        # The trainer's policy version of the weights that sampled each group (the sampled version is the rollout's).
+        "policy_versions": [group.sampled.extras.get(RolloutPolicyVersions.EXTRAS_KEY) for group in groups],
         "prompt_ids": [list(group.sampled.prompt_ids or []) for group in groups],
         "group_sizes": [len(group.sampled.completion_ids) for group in groups],
         "lengths": torch.tensor([len(ids) for ids in completions], dtype=torch.long),
@@ -90,6 +93,12 @@ def load_window(path: str) -> tuple[dict[str, int], list[ScoredGroup]]:
         metrics = state.get("reward_metrics", [[]] * len(state["indices"]))[position]
         sampled.extras[REWARD_LOG_KEY] = GroupRewardLog(
             size, metrics=[(name, float(value)) for name, value in metrics]
+        )
+        # A window saved before policy versions were kept: its rollouts' weights are the step's (no skipped step
+        # known), as PolicyVersionMixin assumes for such a checkpoint.
+        policy_version = state.get("policy_versions", [None] * len(state["indices"]))[position]
+        sampled.extras[RolloutPolicyVersions.EXTRAS_KEY] = (
+            sampled.version if policy_version is None else policy_version
         )
         rewards = state["rewards"][position].tolist()
         groups.append(ScoredGroup(request, sampled, rewards, state["staleness"][position]))

@@ -42,6 +42,16 @@ class AsyncGRPOConfig(GRPOConfig):
             "(GPUs the trainers do not use). Ignored on CPU."
         },
     )
+    vllm_server_weight_transfer: str = field(
+        default="files",
+        metadata={
+            "help": "How weight updates reach the servers: 'files' (an adapter per version for a LoRA policy, else "
+            "the full weights reloaded in place; what runs on CPU and is tested), or 'nccl' (vLLM's NCCL weight "
+            "transfer from the main process's GPU memory to one server with one worker; needs CUDA on both sides "
+            "and vllm_sync_mode='full'; not run in this project's tests yet: docs/async.md). A server the trainer "
+            "starts gets the matching --weight-transfer-config; start your own with it."
+        },
+    )
     vllm_server_timeout: float = field(
         default=240.0,
         metadata={"help": "Seconds to wait for a server the trainer starts to answer (TRL's field)."},
@@ -56,8 +66,10 @@ class AsyncGRPOConfig(GRPOConfig):
     max_staleness: int = field(
         default=4,
         metadata={
-            "help": "How many policy versions older than the trainer's a sample's weights may be. Kept by admission "
-            "control: a group starts only if it will be at most this old when trained (nothing is dropped). 0: "
+            "help": "How many policy versions older than the trainer's a sample's weights may be (a version per "
+            "rollout: per optimizer step unless num_iterations or steps_per_generation make a rollout train several). "
+            "Kept by admission control: a group starts only if it will be at most this old when trained (nothing is "
+            "dropped). 0: "
             "synchronous generation on the server. Default 4, TRL's: with long-tail completion times the simulated "
             "benchmark reaches 90 percent of the max(generation, training) bound at 4, 63 percent at 2; on a "
             "2-core CPU machine with short completions and a 1 s reward, 1, 2 and 4 reach 1.6x, 2.1x and 1.9x "
@@ -66,7 +78,10 @@ class AsyncGRPOConfig(GRPOConfig):
     )
     weight_sync_steps: int = field(
         default=1,
-        metadata={"help": "Optimizer steps between weight updates sent to the servers (at most max_staleness + 1)."},
+        metadata={
+            "help": "Rollouts (optimizer steps, with one step per rollout) between weight updates sent to the "
+            "servers (at most max_staleness + 1)."
+        },
     )
     max_inflight_tasks: int = field(
         default=-1,
@@ -100,6 +115,15 @@ class AsyncGRPOConfig(GRPOConfig):
             "choices": ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
         },
     )
+    sequence_behaviour_weight: str = field(
+        default="product",
+        metadata={
+            "help": "In a sequence mode of vllm_importance_sampling_mode (GSPO's), how a sequence's weight pi_prox / "
+            "pi_behave combines its tokens: 'product' (TRL's: exp of the summed log-ratios) or 'geometric_mean' "
+            "(exp of their mean, GSPO's own length normalisation; losses/decoupled_objective.py).",
+            "choices": ["product", "geometric_mean"],
+        },
+    )
     preemption_grace_period: float = field(
         default=20.0,
         metadata={
@@ -120,6 +144,13 @@ class AsyncGRPOConfig(GRPOConfig):
         },
     )
 
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """How many optimizer steps train each rollout: its mini-batches (``steps_per_generation`` micro-batches,
+        ``gradient_accumulation_steps`` per step) times ``num_iterations``. The staleness bound, the servers'
+        weight versions and ``weight_sync_steps`` count rollouts."""
+        return self.steps_per_generation // self.gradient_accumulation_steps * self.num_iterations
+
     def __post_init__(self) -> None:
         self.use_vllm = True
         self.vllm_mode = "server"
@@ -134,22 +165,41 @@ class AsyncGRPOConfig(GRPOConfig):
                 f"weight_sync_steps ({self.weight_sync_steps}) must be between 1 and max_staleness + 1 "
                 f"({self.max_staleness + 1}): between two syncs the trainer trains on samples that many steps old."
             )
-        if self.num_iterations != 1:
+        if self.steps_per_generation % self.gradient_accumulation_steps:
             raise ValueError(
-                f"num_iterations={self.num_iterations}: asynchronous generation trains each rollout once "
-                "(set num_iterations=1)."
+                f"steps_per_generation ({self.steps_per_generation}) must be a multiple of "
+                f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) for asynchronous generation: a "
+                "rollout trains whole optimizer steps, and the servers get weights between rollouts. Leave "
+                "steps_per_generation unset for one optimizer step per rollout."
             )
-        if self.steps_per_generation != self.gradient_accumulation_steps:
+        if self.sequence_behaviour_weight not in ("product", "geometric_mean"):
             raise ValueError(
-                f"steps_per_generation ({self.steps_per_generation}) must equal gradient_accumulation_steps "
-                f"({self.gradient_accumulation_steps}) for asynchronous generation: one rollout per optimizer step, "
-                "so a rollout's age is counted in policy versions. Leave steps_per_generation unset."
+                f"sequence_behaviour_weight={self.sequence_behaviour_weight!r}: choose 'product' (TRL's) or "
+                "'geometric_mean' (GSPO's length normalisation)."
+            )
+        if self.vllm_server_weight_transfer not in ("files", "nccl"):
+            raise ValueError(
+                f"vllm_server_weight_transfer={self.vllm_server_weight_transfer!r}: choose 'files' (updates as "
+                "files the servers load) or 'nccl' (vLLM's NCCL weight transfer, GPUs only)."
             )
         evaluation = str(getattr(self.eval_strategy, "value", self.eval_strategy))
-        if evaluation != "no":
+        steps = self.optimizer_steps_per_rollout
+        if (
+            evaluation == "steps"
+            and steps > 1
+            and float(self.eval_steps or 0).is_integer()
+            and self.eval_steps % steps
+        ):
             raise ValueError(
-                f"eval_strategy={evaluation!r}: evaluation during asynchronous training is not supported yet "
-                "(the server's stream is the training prompts'). Set eval_strategy='no' and evaluate the saved model."
+                f"eval_steps={self.eval_steps} with {steps} optimizer steps per rollout (steps_per_generation / "
+                "gradient_accumulation_steps x num_iterations): evaluation samples with the weights the servers can "
+                f"hold, which exist at rollout boundaries only. Make eval_steps a multiple of {steps}."
+            )
+        if evaluation != "no" and self.weight_sync_steps != 1:
+            raise ValueError(
+                f"eval_strategy={evaluation!r} with weight_sync_steps={self.weight_sync_steps}: evaluation samples "
+                "with the trainer's current weights, which the servers get only every weight_sync_steps-th step. "
+                "Set weight_sync_steps=1, or eval_strategy='no' and evaluate the saved model."
             )
         if self.preemption_grace_period < 0:
             raise ValueError(

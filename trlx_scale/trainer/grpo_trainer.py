@@ -241,7 +241,13 @@ class GRPOTrainer(RankBalanceMixin, PaddingFreeMixin, TrainerFeatures, TRLGRPOTr
         old, sampling = logps.detach(), inputs["sampling_per_token_logps"]
         mode = self.vllm_importance_sampling_mode
         ratio = vllm_importance_sampling_ratio(
-            old, sampling, mask, mode, self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+            old,
+            sampling,
+            mask,
+            mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+            self._sequence_weight_normalisation(),
         )
         inputs["importance_sampling_ratio"] = ratio
         stats = importance_sampling_statistics(old, sampling, ratio, mask, mode)
@@ -254,6 +260,11 @@ class GRPOTrainer(RankBalanceMixin, PaddingFreeMixin, TrainerFeatures, TRLGRPOTr
         metrics["sampling/importance_sampling_ratio/min"].append(nanmin(per_rank["ratio_min"]).item())
         metrics["sampling/importance_sampling_ratio/mean"].append(per_rank["ratio_mean"].nanmean().item())
         metrics["sampling/importance_sampling_ratio/max"].append(nanmax(per_rank["ratio_max"]).item())
+
+    def _sequence_weight_normalisation(self) -> str:
+        """Seam: how a sequence mode's correction weight combines its tokens (TRL's product here; the asynchronous
+        trainer's ``sequence_behaviour_weight``)."""
+        return "sum"
 
     def _finish_rollout(self, batch: RolloutBatch) -> RolloutBatch:
         """Seam: an algorithm adds its own per-rollout quantities to the batch TRL scored (PPO: KL-penalized rewards,

@@ -1,0 +1,79 @@
+"""``async/sampler_trainer_kl`` and ``async/behaviour_weight_clip_frac``: how far the servers' samples are from the
+trainer's policy, and how much of the off-policy correction its bounds changed (docs/async.md, "The metrics")."""
+
+from __future__ import annotations
+
+import torch
+
+from ..losses.decoupled_objective import behaviour_kl
+from ..losses.vllm_importance_sampling import is_sequence_level, vllm_importance_sampling_ratio
+
+
+class AsyncBehaviourMetricsMixin:
+    """Part of ``AsyncGRPOTrainer``: logs the behaviour policy's distance from the trainer's at every rollout, and
+    takes a sequence mode's weight as ``sequence_behaviour_weight`` says."""
+
+    def _sequence_weight_normalisation(self) -> str:
+        return "mean" if self.args.sequence_behaviour_weight == "geometric_mean" else "sum"
+
+    def _reweigh_sequences(self, output: dict) -> None:
+        """TRL's own pass (several optimizer steps per rollout) took a sequence mode's weight as the product of the
+        token ratios; with ``sequence_behaviour_weight="geometric_mean"`` it is taken again, as the deferred
+        correction takes it."""
+        mode = self.vllm_importance_sampling_mode
+        if not is_sequence_level(mode) or self._sequence_weight_normalisation() == "sum":
+            return
+        if "importance_sampling_ratio" not in output or "old_per_token_logps" not in output:
+            return
+        mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+        output["importance_sampling_ratio"] = vllm_importance_sampling_ratio(
+            output["old_per_token_logps"],
+            output["sampling_per_token_logps"],
+            mask,
+            mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+            "mean",
+        )
+
+    def _deferred_correction(self, logps: torch.Tensor, inputs: dict) -> None:
+        had = "importance_sampling_ratio" in inputs
+        super()._deferred_correction(logps, inputs)
+        if not had and "importance_sampling_ratio" in inputs:
+            mask = inputs["completion_mask"]
+            self._log_behaviour(logps.detach(), inputs["sampling_per_token_logps"], mask)
+
+    def _log_behaviour(self, prox: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor) -> None:
+        """``async/sampler_trainer_kl`` (k3 estimate of KL(pi_behave || pi_prox) per token) and
+        ``async/behaviour_weight_clip_frac``: the share of tokens (sequences, in a sequence mode) whose weight
+        pi_prox / pi_behave the correction's bounds changed (truncated or masked)."""
+        mask = mask.to(prox.dtype)
+        behave = torch.nan_to_num(behave, nan=0.0)
+        mode = self.vllm_importance_sampling_mode
+        bounded = vllm_importance_sampling_ratio(
+            prox,
+            behave,
+            mask,
+            mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+            self._sequence_weight_normalisation(),
+        )
+        difference = (prox - behave) * mask
+        sequence = is_sequence_level(mode)
+        if sequence:
+            difference = difference.sum(-1, keepdim=True)
+            if self._sequence_weight_normalisation() == "mean":
+                difference = difference / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        raw = torch.exp(difference)
+        changed = (raw != bounded).to(mask.dtype)
+        if sequence:
+            counted = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
+            fraction = (changed * counted).sum() / counted.sum().clamp(min=1.0)
+        else:
+            fraction = (changed * mask).sum() / mask.sum().clamp(min=1.0)
+        stats = torch.stack([behaviour_kl(prox, behave, mask), fraction])
+        stats = self.accelerator.gather(stats.unsqueeze(0)).mean(0)
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics["async/sampler_trainer_kl"].append(stats[0].item())
+        metrics["async/behaviour_weight_clip_frac"].append(stats[1].item())

@@ -1,0 +1,86 @@
+"""What ``AsyncGRPOTrainer``'s producer thread calls back into the trainer for: each group's prompt (tokenized on the
+trainer's thread before its version is published: the tokenizer is not thread-safe), its sampling seed (the
+colocated engine's, so ``max_staleness=0`` samples what ``GRPOTrainer`` samples), and its rewards (TRL's
+reward-function arguments, with a snapshot of the trainer state taken at admission).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from trl.data_utils import is_conversational
+
+from ..generation.rollout_seeds import RolloutSeedContext, request_seed
+from ..rollout.async_producer import GroupRequest, SampledGroup
+from ..rollout.reward_logs import REWARD_LOG_KEY, GroupRewardLog
+
+
+class AsyncProducerFeedMixin:
+    """Part of ``AsyncGRPOTrainer``: prompts, seeds and rewards for the producer, and the rollout's number."""
+
+    def _prefetch_prompts(self, version: int) -> None:
+        """On the trainer's thread, before ``version`` is published: the rows and token ids of every group that
+        version admits (the producer's thread never tokenizes: the tokenizer is not thread-safe)."""
+        entries = {}
+        while self._schedule.sampled_at(self._next_prefetch) <= version:
+            row = self._prompt_stream.group(self._next_prefetch)
+            entries[self._next_prefetch] = {
+                "row": row,
+                "prompt_ids": list(self._tokenize_prompts([row["prompt"]])[0][0]),
+                # What TRL passes reward functions as `trainer_state`, fixed when the group is admitted: the producer
+                # scores while the trainer's own state moves on.
+                "trainer_state": copy.copy(self.state),
+            }
+            self._next_prefetch += 1
+        with self._prompt_lock:
+            self._prompt_cache.update(entries)
+
+    def _producer_prompt(self, index: int) -> dict[str, Any]:
+        with self._prompt_lock:
+            return self._prompt_cache.pop(index)
+
+    def _group_seed(self, index: int, version: int, prompt: dict[str, Any]) -> int:
+        """The colocated engine's seed for this group's request: the run's seed, the step that trains it, the
+        group's first row in the step's global batch and its prompt (``rollout_seeds``)."""
+        groups = self._prompt_stream.groups_per_rollout
+        rows = self._prompt_stream.rows_per_rollout
+        rank = self.accelerator.process_index
+        step = self._schedule.trained_at(index) * self.args.optimizer_steps_per_rollout  # the step it is sampled at
+        context = RolloutSeedContext(self.args.seed, rank, step, "train")
+        return request_seed(context, prompt["prompt_ids"], rank * rows + (index % groups) * self.num_generations)
+
+    def _current_rollout(self) -> int:
+        """The rollout about to be trained, which numbers the weights the servers get and the staleness schedule,
+        with the trainer's policy version of those weights recorded for the rows they sample."""
+        rollout, into = divmod(self.state.global_step, self.args.optimizer_steps_per_rollout)
+        if into:
+            raise RuntimeError(
+                f"step {self.state.global_step} is inside rollout {rollout} ({self.args.optimizer_steps_per_rollout} "
+                "optimizer steps each): no weights of it can be on the servers. Evaluate at rollout boundaries "
+                "(eval_steps a multiple of the optimizer steps per rollout)."
+            )
+        self._rollout_policy_versions.record(rollout, self.policy_version)
+        return rollout
+
+    async def _score_group(self, request: GroupRequest, sampled: SampledGroup) -> list[list[float]]:
+        self._rollout_policy_versions.tag(sampled)
+        row = request.prompt["row"]
+        size = len(sampled.completion_ids)
+        texts = self._producer_tokenizer.batch_decode(sampled.completion_ids, skip_special_tokens=True)
+        if is_conversational({"prompt": row["prompt"]}):
+            completions = [[{"role": "assistant", "content": text}] for text in texts]
+        else:
+            completions = texts
+        columns = {key: [value] * size for key, value in row.items() if key not in ("prompt", "completion")}
+        log = GroupRewardLog(size)  # replayed at the step that trains the group (rollout/reward_logs.py)
+        sampled.extras[REWARD_LOG_KEY] = log
+        return await self._reward_scorer.score(
+            [row["prompt"]] * size,
+            completions,
+            sampled.completion_ids,
+            trainer_state=request.prompt["trainer_state"],
+            log_metric=log.log_metric,
+            log_extra=log.log_extra,
+            **columns,
+        )

@@ -1,0 +1,77 @@
+"""How ``AsyncGRPOTrainer`` sets up its servers: which weights they get (adapter or full, in which dtype), the
+server it starts when no URL is given (``generation.vllm_server``), and the probe that verifies each update.
+
+Why a mixin of the trainer: each answer reads the trainer's model, config and accelerator; building the engine from
+them stays in ``async_grpo_trainer.py``.
+"""
+
+from __future__ import annotations
+
+from accelerate.utils import broadcast_object_list
+
+from ..generation.cpu_environment import running_on_cpu_only
+from ..generation.vllm_server import ServerLaunch, VLLMServerProcess
+from ..generation.weight_sync import choose_sync_mode, vllm_max_lora_rank
+from ..options import option
+from ..peft_models import is_peft_model
+
+PROBE_TOKENS = 8  # completion tokens appended to the probe prompt (any tokens: their log-probs are compared)
+
+
+class AsyncServerLaunchMixin:
+    """Part of ``AsyncGRPOTrainer``: the servers' weights format, the server it starts, and the update probe."""
+
+    def _server_sync_mode(self) -> str:
+        if not is_peft_model(self.model):
+            return "full"
+        mode, _ = choose_sync_mode(self.model, option(self.args, "vllm_sync_mode"), cpu_engine=running_on_cpu_only())
+        return mode
+
+    def _server_dtype(self) -> str:
+        if self.args.bf16:
+            return "bfloat16"
+        if self.args.fp16:
+            return "float16"
+        return str(self.accelerator.unwrap_model(self.model).dtype).removeprefix("torch.")
+
+    def _base_model_path(self) -> str:
+        model = self.accelerator.unwrap_model(self.model)
+        base = model.get_base_model() if is_peft_model(model) else model
+        return base.name_or_path
+
+    def _start_server(self, sync_mode: str) -> tuple[list[str], VLLMServerProcess | None]:
+        urls = self.args.server_urls
+        process = None
+        if not urls:
+            if self.accelerator.is_main_process:
+                rank = None
+                if sync_mode == "lora":
+                    config = self.accelerator.unwrap_model(self.model).active_peft_config
+                    rank = vllm_max_lora_rank(max([config.r, *(config.rank_pattern or {}).values()]))
+                launch = ServerLaunch(
+                    model=self._base_model_path(),
+                    dtype=self._server_dtype(),
+                    enable_lora=sync_mode == "lora",
+                    max_loras=self.args.max_staleness + 2,
+                    max_lora_rank=rank or 16,
+                    seed=self.args.seed,
+                    max_model_len=self.args.vllm_max_model_length,
+                    devices=self.args.vllm_server_devices,
+                    weight_transfer="nccl" if self.args.vllm_server_weight_transfer == "nccl" else None,
+                )
+                process = VLLMServerProcess(launch, startup_timeout=self.args.vllm_server_timeout).start()
+                urls = [launch.url]
+            urls = broadcast_object_list([urls])[0] if self.accelerator.num_processes > 1 else urls
+        return urls, process
+
+    def _verify_tolerance(self) -> float:
+        if self.args.weight_sync_verify_tolerance is not None:
+            return self.args.weight_sync_verify_tolerance
+        return 1e-3 if self._server_dtype() == "float32" else 0.1
+
+    def _probe_ids(self) -> list[int]:
+        """A probe sequence: the first training prompt and a few tokens (the same on every rank)."""
+        prompt = self.train_dataset[0]["prompt"]
+        ids = list(self._tokenize_prompts([prompt])[0][0])
+        vocab = self.accelerator.unwrap_model(self.model).config.vocab_size
+        return ids + [(ids[i % len(ids)] + i) % vocab for i in range(PROBE_TOKENS)]

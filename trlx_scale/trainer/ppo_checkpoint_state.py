@@ -1,0 +1,44 @@
+"""``PPOTrainer``'s checkpoint state beside the policy's: the critic (its weights and optimizer, or the shared-base
+adapter and head) and the KL controller's coefficient, in ``PPO_STATE_NAME``; a checkpoint without it cannot resume
+a PPO run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..ppo.critic import critic_state, load_critic_state
+
+PPO_STATE_NAME = "ppo_state.pt"
+
+
+class PPOCheckpointStateMixin:
+    """Part of ``PPOTrainer``: saves and restores the critic and the KL coefficient with each checkpoint."""
+
+    def _save_extra_state(self, checkpoint_dir: str) -> None:
+        super()._save_extra_state(checkpoint_dir)
+        # Every rank takes part (ZeRO-3 gathers; a DeepSpeed critic writes its own partitions); rank 0 writes the file.
+        if self.critic_training is not None:
+            state = self.critic_training.save(checkpoint_dir, self.args.should_save)
+        else:  # the shared-base critic's optimizer state is in the policy's optimizer, saved by transformers
+            state = {"critic": critic_state(self.critic)}
+        if self.args.should_save:
+            state["kl_coef"] = self.kl_controller.value
+            torch.save(state, os.path.join(checkpoint_dir, PPO_STATE_NAME))
+
+    def _load_extra_state(self, checkpoint_dir: str) -> None:
+        super()._load_extra_state(checkpoint_dir)
+        path = os.path.join(checkpoint_dir, PPO_STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{checkpoint_dir} has no {PPO_STATE_NAME} (the critic, its optimizer and the KL coefficient): it was "
+                "not written by trlx_scale's PPOTrainer, whose runs cannot resume without their critic."
+            )
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if self.critic_training is not None:
+            self.critic_training.load(checkpoint_dir, state)
+        else:
+            load_critic_state(self.critic, state["critic"])
+        self.kl_controller.value = float(state["kl_coef"])
