@@ -119,6 +119,234 @@ def test_staleness_is_bounded_and_every_version_verified(default_model_dir, tmp_
     assert trainer.vllm_generation is None  # closed: producer stopped, server stopped
 
 
+class _NaNAtStepTwo(AsyncGRPOTrainer):
+    """The loss of optimizer step 2 is NaN: the non-finite guard skips it."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        return loss * float("nan") if self.state.global_step + 1 == 2 else loss
+
+
+def _alternating_reward(completions, **kwargs):
+    return [float(index % 2) for index in range(len(completions))]  # a gradient at every step
+
+
+def test_rows_carry_the_policy_version_a_skipped_step_does_not_advance(server, default_model_dir, tmp_path):
+    """max_staleness=1, step 2 skipped by the non-finite guard: rollout r is sampled by rollout r-1's weights, whose
+    policy versions are 0, 0, 1, 1 (rollout 2's weights are step 1's: step 2 changed nothing). The rows carry those,
+    not the rollout count (0, 0, 1, 2, what they carried before). Their lag behind the trainer's version (0, 1, 0, 1)
+    is logged beside the schedule's staleness (0, 1, 1, 1)."""
+    trainer = _NaNAtStepTwo(
+        model=default_model_dir,
+        reward_funcs=_alternating_reward,
+        args=small_grpo_config(
+            tmp_path / "async", AsyncGRPOConfig, vllm_server_base_url=server.url, max_staleness=1, max_steps=4
+        ),
+        train_dataset=addition_dataset("train", size=64),
+    )
+    rows = []
+    original = trainer._finish_rollout
+
+    def record(batch):
+        batch = original(batch)
+        rows.append((trainer.state.global_step, trainer.policy_version, sorted(set(batch.policy_version.tolist()))))
+        return batch
+
+    trainer._finish_rollout = record
+    trainer.train()
+    assert logged(trainer, "reliability/skipped_steps") == [0.0, 1.0, 1.0, 1.0]
+    assert trainer.policy_version == 3  # four steps, three updates
+    assert rows == [(0, 0, [0]), (1, 1, [0]), (2, 1, [1]), (3, 2, [1])]
+    assert logged(trainer, "async/staleness_max") == [0.0, 1.0, 1.0, 1.0]  # rollouts behind
+    assert logged(trainer, "async/policy_version_lag_max") == [0.0, 1.0, 0.0, 1.0]  # updates behind
+
+
+def test_evaluation_samples_with_the_trainers_current_weights(server, default_model_dir, tmp_path):
+    """eval_strategy under asynchronous generation (refused before): at the evaluation after step 2 the servers get
+    the trainer's current weights (rollout 2's, verified by the probe, sent before the next rollout would send them),
+    the held-out prompts are sampled beside the producer's groups, and TRL scores and logs them. Training is
+    unchanged by it: the same rewards as a run without evaluation."""
+
+    def run(directory, **evaluation):
+        trainer = AsyncGRPOTrainer(
+            model=default_model_dir,
+            reward_funcs=exact_match_reward,
+            args=small_grpo_config(
+                directory,
+                AsyncGRPOConfig,
+                vllm_server_base_url=server.url,
+                max_staleness=1,
+                max_steps=3,
+                learning_rate=5e-3,
+                per_device_eval_batch_size=8,
+                **evaluation,
+            ),
+            train_dataset=addition_dataset("train", size=64),
+            eval_dataset=addition_dataset("held_out", size=4),
+        )
+        served_at_evaluation = []
+        original = trainer._generate_and_score_completions
+
+        def record(inputs):
+            output = original(inputs)
+            if not trainer.model.training:
+                served_at_evaluation.append((trainer.state.global_step, trainer.vllm_generation.served_version))
+            return output
+
+        trainer._generate_and_score_completions = record
+        trainer.train()
+        return trainer, served_at_evaluation
+
+    evaluated, served = run(tmp_path / "eval", eval_strategy="steps", eval_steps=2)
+    # Evaluations after step 2 and after the last step, 3; each of 4 held-out prompts x 4 samples in batches of 8
+    # (two rollouts), all sampled by the weights of the step just trained.
+    assert served == [(2, 2), (2, 2), (3, 3), (3, 3)]
+    evaluations = [entry for entry in evaluated.state.log_history if "eval_reward" in entry]
+    assert [entry["step"] for entry in evaluations] == [2, 3]
+    assert all(0.0 <= entry["eval_reward"] <= 1.0 for entry in evaluations)
+    # The trainer's current weights: its log-probs of the sampled tokens are the server's (to fp32 rounding), where
+    # samples a step old differ by the update (learning_rate 5e-3).
+    assert all(entry["eval_sampling/sampling_logp_difference/max"] < 1e-4 for entry in evaluations)
+    plain, _ = run(tmp_path / "plain")
+    assert logged(evaluated, "reward") == logged(plain, "reward")
+
+
+def test_the_loss_that_trains_is_the_decoupled_objective(server, default_model_dir, tmp_path):
+    """num_iterations=2 (allowed now: two optimizer steps per rollout), max_staleness=1, loss_type="grpo". On a
+    micro-batch of step 4 (rollout 1's second step: sampled by version 0, pi_prox the weights after step 2, pi_theta
+    after step 3), the trainer's loss and gradients are those of losses/decoupled_objective.py's pure function on the
+    batch's fields: pi_theta / pi_prox clipped, times pi_prox / pi_behave truncated at the clip bound. Both ratios
+    are away from 1 there, so the trust region and the correction both act."""
+    from trlx_scale.losses.decoupled_objective import decoupled_policy_loss
+
+    trainer = _async(
+        tmp_path,
+        default_model_dir,
+        server,
+        reward_funcs=_alternating_reward,
+        max_staleness=1,
+        num_iterations=2,
+        max_steps=4,
+        learning_rate=5e-3,
+        loss_type="grpo",
+    )
+    assert trainer.args.optimizer_steps_per_rollout == 2 and trainer.vllm_importance_sampling_clip_min is None
+    compared = {}
+    original = trainer._compute_loss
+
+    def compare(model, inputs):
+        loss = original(model, inputs)
+        if trainer.state.global_step == 3 and model.training and not compared:
+            params = [param for param in model.parameters() if param.requires_grad]
+            ours = torch.autograd.grad(loss, params, retain_graph=True)
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            length = inputs["completion_ids"].size(1)
+            logps = trainer._get_per_token_logps_and_entropies(model, ids, attention, length)[0]
+            mask = inputs["completion_mask"]
+            prox, behave = inputs["old_per_token_logps"], inputs["sampling_per_token_logps"]
+            reference, _ = decoupled_policy_loss(
+                logps,
+                prox,
+                behave,
+                inputs["advantages"],
+                mask,
+                trainer.epsilon_low,
+                trainer.epsilon_high,
+                weight_cap=trainer.vllm_importance_sampling_clip_max,
+                aggregation="sequence_mean",
+            )
+            theirs = torch.autograd.grad(reference, params)
+            real = mask.bool()
+            compared.update(
+                loss=(loss.item(), reference.item()),
+                gradients=[(a, b) for a, b in zip(ours, theirs, strict=True)],
+                trust_region=(logps - prox)[real].abs().max().item(),
+                correction=(prox - torch.nan_to_num(behave))[real].abs().max().item(),
+            )
+        return loss
+
+    trainer._compute_loss = compare
+    trainer.train()
+    assert compared, "step 4 never computed a loss"
+    ours, reference = compared["loss"]
+    assert abs(ours - reference) < 1e-6, (ours, reference)
+    for mine, pure in compared["gradients"]:
+        assert torch.allclose(mine, pure, rtol=1e-4, atol=1e-7)
+    assert compared["trust_region"] > 1e-4 and compared["correction"] > 1e-4, compared
+
+
+class _AgainAndAgain:
+    """A gym-style environment: after each answer the user asks again, three turns in all."""
+
+    def reset(self, prompt, **row):
+        self.turns = 0
+        return None  # the dataset's prompt
+
+    def step(self, message):
+        self.turns += 1
+        return "again", 0.0, self.turns == 3, {}
+
+
+def test_multi_turn_trajectories_on_the_server_are_token_in_token_out(
+    server, default_model_dir, default_model, default_tokenizer, tmp_path
+):
+    """Four 3-turn trajectories at once on the real vLLM server (agents/server_turn_sampler.py): every turn continues
+    the held ids, so the behaviour log-probs the server returned for each sampled token are the trainer model's
+    log-probs of that token given the whole held sequence (prompt, earlier turns, observations), and the loss mask
+    is 1 on exactly the sampled tokens (each turn's end token included) and 0 on the observations."""
+    import asyncio
+
+    from trlx_scale.agents import GymEnvironment
+    from trlx_scale.agents.multi_turn_rollout import run_trajectories
+    from trlx_scale.agents.server_turn_sampler import ServerTurnSampler
+    from trlx_scale.agents.trajectory_tokens import ObservationRenderer, TurnBudget
+
+    base = write_full_weights(default_model, str(tmp_path / "base"))  # the trainers before left their weights
+    VLLMServerClient([server.url], model=default_model_dir, sampling=SamplingSettings(4)).reload_weights(0, base)
+    sampler = ServerTurnSampler([server.url], model=default_model_dir)
+    renderer = ObservationRenderer(default_tokenizer)
+    questions = ["12+30=", "7+8=", "41+5=", "3+3="]
+
+    async def rollout():
+        try:
+            return await run_trajectories(
+                prompts=[[{"role": "user", "content": q}] for q in questions],
+                rows=[{"answer": "0"}] * 4,
+                environments=[GymEnvironment(_AgainAndAgain()) for _ in questions],
+                seeds=[11, 12, 13, 14],
+                sampler=sampler,
+                renderer=renderer,
+                parse=lambda ids: {
+                    "role": "assistant",
+                    "content": default_tokenizer.decode(ids, skip_special_tokens=True),
+                },
+                budget=TurnBudget(max_completion_length=96, max_model_len=256, max_turn_tokens=8),
+                tokenizer=default_tokenizer,
+            )
+        finally:
+            await sampler.aclose()
+
+    trajectories = asyncio.run(rollout())
+    observation = renderer.observation_ids([{"role": "user", "content": "again"}])
+    for trajectory in trajectories:
+        tokens = trajectory.tokens
+        assert trajectory.stop_reason in ("done", "length", "budget") and tokens.turns >= 1
+        mask = torch.tensor(tokens.loss_mask)
+        ids = torch.tensor([tokens.context_ids])
+        with torch.no_grad():
+            logps = torch.log_softmax(default_model(input_ids=ids).logits[0, :-1].float(), -1)
+        start = len(tokens.prompt_ids)
+        trainer = logps[start - 1 :].gather(-1, ids[0, start:, None])[:, 0]
+        behaviour = torch.tensor(tokens.logprobs)
+        assert (trainer - behaviour)[mask.bool()].abs().max().item() < 1e-3
+        # Observations: exactly "<|user|>again<|assistant|>" between turns, masked out.
+        runs = "".join(str(m) for m in tokens.loss_mask).split("1")
+        assert all(len(run) in (0, len(observation)) for run in runs)
+        assert mask.sum().item() == len(tokens.loss_mask) - observation.__len__() * (tokens.turns - 1)
+    assert sum(t.tokens.turns for t in trajectories) > len(trajectories)  # some went past their first turn
+
+
 class _FlakyLoggingReward:
     """exact_match_reward with TRL's reward-function arguments checked and used: its first call raises (so the guard
     retries sample by sample) and so does the first retry (one sample fails); every call logs a metric and a column."""

@@ -1,0 +1,26 @@
+"""Agents: tools and environments a trajectory talks to over several turns (multi-turn rollouts).
+
+- ``tool_runner``: a turn's tool calls run off the trainer's thread, concurrently, each under a timeout, every
+  failure (raised, unknown tool, timeout, bad arguments) counted apart and handed back to the model as TRL hands it.
+- ``environments``: one interface for TRL's ``tools`` / ``environment_factory`` contracts (a TRL user's environment
+  runs unchanged) and gym-style environments (``reset`` / ``step`` returning messages, reward, done).
+- ``trajectory_tokens``: a trajectory's tokens as sampled, observations rendered alone and masked out of the loss,
+  the template's rendering checked each turn, and the budgets of the next turn.
+- ``multi_turn_rollout``: trajectories run each at its own pace (no lockstep) against a ``TurnSampler``;
+  ``server_turn_sampler`` is the one on vLLM servers (token ids in, sampled ids and log-probs out).
+
+Not wired into the trainers yet (docs/agents.md, "What is not done yet").
+"""
+
+from .environments import AgentEnvironment, EnvironmentStep, GymEnvironment, ToolEnvironment
+from .tool_runner import ToolCallResult, ToolRunner, ToolStats
+
+__all__ = [
+    "AgentEnvironment",
+    "EnvironmentStep",
+    "GymEnvironment",
+    "ToolCallResult",
+    "ToolEnvironment",
+    "ToolRunner",
+    "ToolStats",
+]
