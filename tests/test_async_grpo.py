@@ -276,6 +276,44 @@ def test_the_loss_that_trains_is_the_decoupled_objective(server, default_model_d
     assert compared["trust_region"] > 1e-4 and compared["correction"] > 1e-4, compared
 
 
+def test_gspo_weighs_each_sequence_by_the_geometric_mean(server, default_model_dir, tmp_path):
+    """Under GSPO the behaviour weight is per sequence; by default (sequence_behaviour_weight="geometric_mean") it is
+    exp of the mean token log-ratio, as losses/decoupled_objective.py's sequence weight, not TRL's product (which an
+    unchanged policy's numerics alone push out of the clip bounds on long sequences: benchmarks/gspo_sequence_weight.py).
+    From step 2 on, a step stale with learning_rate 5e-3, the two differ."""
+    from trlx_scale.losses.decoupled_objective import behaviour_weights
+
+    trainer = _async(
+        tmp_path,
+        default_model_dir,
+        server,
+        reward_funcs=_alternating_reward,  # a gradient at every step: the weights move
+        loss_recipe="gspo",
+        max_staleness=1,
+        max_steps=3,
+        learning_rate=5e-3,
+    )
+    seen = []
+    original = trainer._deferred_correction
+
+    def capture(logps, inputs):
+        original(logps, inputs)
+        if "importance_sampling_ratio" in inputs and trainer.model.training:
+            seen.append((logps.detach(), inputs["sampling_per_token_logps"], inputs["completion_mask"].float()))
+            seen[-1] += (inputs["importance_sampling_ratio"],)
+
+    trainer._deferred_correction = capture
+    trainer.train()
+    assert len(seen) >= 2
+    differs = False
+    for prox, behave, mask, ratio in seen:
+        expected, _ = behaviour_weights(prox, behave, mask, "sequence", "truncate", cap=3.0)
+        assert ratio.shape == expected.shape and torch.allclose(ratio, expected, atol=1e-6)
+        product = torch.exp((torch.nan_to_num(prox - behave) * mask).sum(-1, keepdim=True)).clamp(max=3.0)
+        differs = differs or not torch.allclose(product, ratio, atol=1e-4)
+    assert differs
+
+
 class _AgainAndAgain:
     """A gym-style environment: after each answer the user asks again, three turns in all."""
 

@@ -100,3 +100,12 @@ def test_prompt_stream_deals_whole_groups_as_accelerate_deals_batches():
         rank1.check_rollout(0, [{"prompt": "p0"}] * 6)
     with pytest.raises(ValueError, match="must be a multiple of num_generations"):
         RankPromptStream(sampler, dataset, rank=0, world_size=2, rows_per_rollout=5, num_generations=2, repeat_count=1)
+
+
+def test_gspo_sequence_weights_are_geometric_means_by_default(tmp_path):
+    """An unchanged policy's product of token weights leaves the clip bounds on long sequences (measured,
+    benchmarks/gspo_sequence_weight.py); the default is the geometric mean, TRL's product on request."""
+    gspo = small_grpo_config(tmp_path, AsyncGRPOConfig, loss_recipe="gspo")
+    assert gspo.sequence_behaviour_weight == "geometric_mean"
+    product = small_grpo_config(tmp_path, AsyncGRPOConfig, loss_recipe="gspo", sequence_behaviour_weight="product")
+    assert product.sequence_behaviour_weight == "product"
