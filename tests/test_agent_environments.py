@@ -53,6 +53,7 @@ def test_failures_are_counted_apart_and_handed_back_as_trls_tool_errors():
             _call("divide", a=1),  # a missing argument
             {"type": "function", "function": {"name": "divide", "arguments": '{"a": 6, "b": 3}'}},  # JSON text
             {"type": "retrieval"},
+            "divide(1, 2)",  # not a parsed call at all
         ],
     )
     outcomes = [r.outcome for r in results]
@@ -61,6 +62,7 @@ def test_failures_are_counted_apart_and_handed_back_as_trls_tool_errors():
         ToolOutcome.UNKNOWN,
         ToolOutcome.BAD_CALL,
         ToolOutcome.OK,
+        ToolOutcome.BAD_CALL,
         ToolOutcome.BAD_CALL,
     ]
     assert results[0].message == {"role": "tool", "name": "divide", "content": "{'error': 'division by zero'}"}
@@ -71,9 +73,9 @@ def test_failures_are_counted_apart_and_handed_back_as_trls_tool_errors():
     for result in results:
         stats.record(result)
     metrics = stats.as_metrics()
-    assert metrics["tools/calls"] == 5 and metrics["tools/raised"] == 1 and metrics["tools/unknown"] == 1
-    assert metrics["tools/bad_call"] == 2 and metrics["tools/timeout"] == 0
-    assert metrics["tools/failure_frequency"] == pytest.approx(4 / 5)
+    assert metrics["tools/calls"] == 6 and metrics["tools/raised"] == 1 and metrics["tools/unknown"] == 1
+    assert metrics["tools/bad_call"] == 3 and metrics["tools/timeout"] == 0
+    assert metrics["tools/failure_frequency"] == pytest.approx(5 / 6)
     runner.close()
 
 

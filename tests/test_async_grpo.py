@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -209,6 +210,39 @@ def test_evaluation_samples_with_the_trainers_current_weights(server, default_mo
     assert all(entry["eval_sampling/sampling_logp_difference/max"] < 1e-4 for entry in evaluations)
     plain, _ = run(tmp_path / "plain")
     assert logged(evaluated, "reward") == logged(plain, "reward")
+
+
+def test_an_evaluation_outside_train_stops_what_it_started(server, default_model_dir, tmp_path):
+    """trainer.evaluate() before any training builds the engine (producer thread, weights sent) and closes it after,
+    as train() does: nothing is left running."""
+    trainer = AsyncGRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=exact_match_reward,
+        args=small_grpo_config(
+            tmp_path / "async", AsyncGRPOConfig, vllm_server_base_url=server.url, per_device_eval_batch_size=8
+        ),
+        train_dataset=addition_dataset("train", size=64),
+        eval_dataset=addition_dataset("held_out", size=2),
+    )
+    assert "eval_loss" in trainer.evaluate()
+    logged_rewards = [entry["eval_reward"] for entry in trainer.state.log_history if "eval_reward" in entry]
+    assert len(logged_rewards) == 1 and 0.0 <= logged_rewards[0] <= 1.0  # TRL logs its reward metrics
+    assert trainer.vllm_generation is None
+    assert not any(thread.name == "trlx-scale-rollout-producer" for thread in threading.enumerate())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_a_refused_weight_transfer_stops_the_server_the_trainer_started(server, default_model_dir, tmp_path):
+    """vllm_server_weight_transfer="nccl" on this CPU machine is refused by name once the engine is built; a server
+    the trainer had started for it is stopped, not left behind (the module's server stands in for it)."""
+    from trlx_scale.generation.server_weight_transports import NCCLTransportUnavailable
+
+    trainer = _async(tmp_path, default_model_dir, server, vllm_server_weight_transfer="nccl", max_steps=1)
+    stopped = []
+    trainer._start_server = lambda sync_mode: ([server.url], SimpleNamespace(stop=lambda: stopped.append(True)))
+    with pytest.raises(NCCLTransportUnavailable, match="no CUDA device"):
+        trainer.train()
+    assert stopped == [True]
 
 
 def test_the_loss_that_trains_is_the_decoupled_objective(server, default_model_dir, tmp_path):

@@ -8,6 +8,8 @@ import json
 import re
 import threading
 
+import pytest
+
 from trlx_scale.agents import ToolEnvironment
 from trlx_scale.agents.multi_turn_rollout import SampledTurn, run_trajectories, trajectory_metrics
 from trlx_scale.agents.tool_runner import ToolOutcome
@@ -161,3 +163,35 @@ def test_a_context_that_would_overflow_ends_before_the_engine_refuses_it(default
     assert context + max_tokens <= 60
     metrics = trajectory_metrics([trajectory])
     assert metrics["agents/stopped_budget_frac"] == 1.0 and metrics["agents/turns_mean"] == 1.0
+
+
+def test_an_environment_error_stops_the_batch_at_once_and_cancels_the_others(default_tokenizer):
+    """One trajectory's environment raises: run_trajectories raises that error as it is, and the trajectory still
+    waiting on a slow environment is cancelled (not left running until its minute is up)."""
+    from trlx_scale.agents import GymEnvironment
+
+    cancelled = []
+
+    class Broken:
+        def reset(self, prompt, **row):
+            return None
+
+        def step(self, message):
+            raise RuntimeError("the simulator crashed")
+
+    class Slow:
+        def reset(self, prompt, **row):
+            return None
+
+        async def step(self, message):
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+    sampler = ScriptedSampler(default_tokenizer, {"G": ["a<|end|>"], "H": ["b<|end|>"]})
+    environments = [GymEnvironment(Broken()), GymEnvironment(Slow())]
+    with pytest.raises(RuntimeError, match="^the simulator crashed$"):
+        _run(default_tokenizer, sampler, environments, TurnBudget(50, 100), ["G", "H"])
+    assert cancelled == [True]

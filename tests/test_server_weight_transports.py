@@ -56,6 +56,7 @@ def test_nccl_refusal_reasons():
     assert "needs vLLM installed" in nccl_unavailable_reason(True, False, 1, lora=False)
     assert "2 server URLs" in nccl_unavailable_reason(True, True, 2, lora=False)
     assert "vllm_sync_mode='full'" in nccl_unavailable_reason(True, True, 1, lora=True)
+    assert "sharded (ZeRO-3 or FSDP2)" in nccl_unavailable_reason(True, True, 1, lora=False, sharded=True)
 
 
 def test_a_server_the_trainer_starts_gets_the_weight_transfer_config():

@@ -27,7 +27,7 @@ TRL_OVERRIDES = {
     DPOTrainer: {"_compute_loss", "_precompute_ref_logps", "_prepare_dataset"},
     PPOTrainer: {"_compute_loss", "_load_from_checkpoint", "create_optimizer"},
     ColocatedVLLMGeneration: {"_init_vllm", "generate", "sync_weights"},
-    AsyncGRPOTrainer: {"_calculate_rewards", "_generate_and_score_completions", "train"},
+    AsyncGRPOTrainer: {"_calculate_rewards", "_generate_and_score_completions", "evaluate", "train"},
 }
 
 

@@ -52,15 +52,21 @@ class ColocatedTurnSampler:
         self.max_in_flight = max(self.max_in_flight, len(self._waiting))
         if self._driver is None or self._driver.done():
             self._driver = asyncio.ensure_future(self._drive())
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:  # the trajectory was cancelled: its turn leaves the engine too
+            if self._waiting.pop(request_id, None) is not None:
+                self.engine.abort_request([request_id])
+            raise
 
     async def _drive(self) -> None:
         try:
             while self._waiting:
                 await asyncio.sleep(0)  # trajectories whose environment answered add their turns to this step
                 for output in self.engine.step():
-                    if output.finished and output.request_id in self._waiting:
-                        self._waiting.pop(output.request_id).set_result(_sampled_turn(output.outputs[0]))
+                    future = self._waiting.pop(output.request_id, None) if output.finished else None
+                    if future is not None and not future.done():
+                        future.set_result(_sampled_turn(output.outputs[0]))
         except Exception as error:  # noqa: BLE001 - every waiting turn raises the engine's error, where it awaits
             for future in self._waiting.values():
                 if not future.done():

@@ -21,16 +21,14 @@ Two adapters make the environments users already have fit it, unchanged:
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
-from .tool_runner import ToolRunner, ToolStats
+from .tool_runner import CallTimeout, ToolRunner, ToolStats, bounded_call
 
 RESERVED_METHODS = ("reset", "get_reward")
 
@@ -68,20 +66,11 @@ class EnvironmentTimeout(TimeoutError):
 async def _call(
     function: Callable[..., Any], executor: ThreadPoolExecutor, timeout: float, what: str, *args, **kwargs
 ) -> Any:
-    """``function(*args, **kwargs)``, awaited if it is a coroutine function, else in ``executor``; bounded."""
-    if inspect.iscoroutinefunction(function):
-        task = asyncio.ensure_future(function(*args, **kwargs))
-    else:
-        task = asyncio.get_running_loop().run_in_executor(executor, functools.partial(function, *args, **kwargs))
+    """``function(*args, **kwargs)`` off the loop's thread, bounded (``tool_runner.bounded_call``)."""
     try:
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        raise EnvironmentTimeout(f"{what} took longer than {timeout:g} s (environment_timeout).")
-    return task.result()
+        return await bounded_call(function, executor, timeout, *args, **kwargs)
+    except CallTimeout:
+        raise EnvironmentTimeout(f"{what} took longer than {timeout:g} s (environment_timeout).") from None
 
 
 async def _get_reward(environment: Any, executor: ThreadPoolExecutor, timeout: float) -> float | None:

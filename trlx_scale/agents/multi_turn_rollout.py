@@ -165,7 +165,22 @@ async def run_trajectories(
                 environment=environments[index], prompt=prompts[index], row=rows[index], seed=seeds[index], **common
             )
 
-    return list(await asyncio.gather(*(bounded(index) for index in range(len(prompts)))))
+    # The first trajectory that fails (an environment's error) cancels the others, so none is left running, and its
+    # error is raised as it is.
+    tasks = [asyncio.ensure_future(bounded(index)) for index in range(len(prompts))]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        for task in tasks:
+            task.cancel()
+        raise
+    failed = [task for task in tasks if task in done and not task.cancelled() and task.exception() is not None]
+    if failed:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        raise failed[0].exception()
+    return [task.result() for task in tasks]
 
 
 def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -90,6 +90,32 @@ def _error(text: str) -> str:
     return str({"error": text})  # TRL's tool-error content: the dict's repr
 
 
+class CallTimeout(TimeoutError):
+    """A bounded call (``bounded_call``) did not return within its timeout."""
+
+
+async def bounded_call(
+    function: Callable[..., Any], executor: ThreadPoolExecutor, timeout: float, *args: Any, **kwargs: Any
+) -> Any:
+    """``function(*args, **kwargs)``: awaited if it is a coroutine function, else run in ``executor``; raises
+    ``CallTimeout`` after ``timeout`` seconds (the call is cancelled; a thread's result is dropped), and the
+    function's own exceptions as they are. ``asyncio.wait``, not ``wait_for``: a ``TimeoutError`` the function raises
+    itself is its own error, not a timeout."""
+    if inspect.iscoroutinefunction(function):
+        task = asyncio.ensure_future(function(*args, **kwargs))
+    else:
+        task = asyncio.get_running_loop().run_in_executor(executor, functools.partial(function, *args, **kwargs))
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:  # the caller was cancelled: so is its call
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise CallTimeout(f"timed out after {timeout:g} s")
+    return task.result()
+
+
 class ToolRunner:
     """Runs tool calls (TRL's parsed ``tool_calls``) against ``tools``, a name -> callable mapping."""
 
@@ -115,8 +141,9 @@ class ToolRunner:
         began = time.perf_counter()
         name, outcome, result = self._name_of(call), ToolOutcome.OK, None
         function = call.get("function") if isinstance(call, dict) else None
-        if call.get("type", "function") != "function" or not isinstance(function, dict):
-            outcome, result = ToolOutcome.BAD_CALL, _error(f"Unsupported tool call type: {call.get('type')}")
+        kind = call.get("type", "function") if isinstance(call, dict) else type(call).__name__
+        if kind != "function" or not isinstance(function, dict):
+            outcome, result = ToolOutcome.BAD_CALL, _error(f"Unsupported tool call type: {kind}")
         elif name not in self.tools:
             outcome, result = ToolOutcome.UNKNOWN, _error(f"Tool {name} not found.")
         else:
@@ -137,22 +164,10 @@ class ToolRunner:
     async def _call(self, name: str, tool: Callable[..., Any], arguments: dict[str, Any]) -> tuple[ToolOutcome, Any]:
         if _is_signature_error(tool, arguments):
             return ToolOutcome.BAD_CALL, _error(f"Tool {name} does not take the arguments {sorted(arguments)}.")
-        if inspect.iscoroutinefunction(tool):
-            task = asyncio.ensure_future(tool(**arguments))
-        else:
-            loop = asyncio.get_running_loop()
-            task = loop.run_in_executor(self._executor, functools.partial(tool, **arguments))
         try:
-            # asyncio.wait, not wait_for: a TimeoutError the tool raises itself is the tool's error, not a timeout.
-            done, _ = await asyncio.wait({task}, timeout=self.timeout)
-        except asyncio.CancelledError:  # the turn was cancelled: so is its call (a thread's result is dropped)
-            task.cancel()
-            raise
-        if not done:
-            task.cancel()
+            return ToolOutcome.OK, await bounded_call(tool, self._executor, self.timeout, **arguments)
+        except CallTimeout:
             return ToolOutcome.TIMEOUT, _error(f"Tool {name} timed out after {self.timeout:g} s.")
-        try:
-            return ToolOutcome.OK, task.result()
         except Exception as error:  # noqa: BLE001 - any tool failure goes back to the model, as in TRL
             return ToolOutcome.RAISED, _error(str(error))
 

@@ -266,7 +266,7 @@ class VLLMServerClient:
         self.loaded_adapters[version] = name
         return time.monotonic() - began
 
-    def record_update(self, version: int, path: str | None = None) -> None:
+    def record_update(self, version: int) -> None:
         """Another process (the main one) sent ``version`` to the servers: this client asks for it from now on."""
         if self.lora:
             self.loaded_adapters[version] = adapter_name(version)

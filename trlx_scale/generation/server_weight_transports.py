@@ -187,7 +187,9 @@ class NCCLTransportUnavailable(RuntimeError):
     """vLLM's NCCL weight transfer cannot run here (no CUDA, no vLLM on the trainer, several servers)."""
 
 
-def nccl_unavailable_reason(cuda_available: bool, vllm_importable: bool, server_count: int, lora: bool) -> str | None:
+def nccl_unavailable_reason(
+    cuda_available: bool, vllm_importable: bool, server_count: int, lora: bool, sharded: bool = False
+) -> str | None:
     """Why ``vllm_server_weight_transfer="nccl"`` cannot run with these facts, or None if it can."""
     if not cuda_available:
         return "it broadcasts from the trainer's GPU memory to the servers' GPUs, and this machine has no CUDA device"
@@ -197,6 +199,10 @@ def nccl_unavailable_reason(cuda_available: bool, vllm_importable: bool, server_
         return f"one NCCL group per server is not wired yet, and {server_count} server URLs were given"
     if lora:
         return "it sends full weights, and the policy is synced as a LoRA adapter (set vllm_sync_mode='full')"
+    if sharded:
+        # A merged LoRA layer, or an FSDP2 DTensor, needs the whole tensor before it is sent: the files transports
+        # gather it (server_weights); this one does not yet.
+        return "the policy is sharded (ZeRO-3 or FSDP2), which its weight source does not gather yet"
     return None
 
 
@@ -254,7 +260,10 @@ class NCCLWeightTransport:
             importable = True
         except ImportError:
             importable = False
-        reason = nccl_unavailable_reason(torch.cuda.is_available(), importable, len(client.base_urls), client.lora)
+        sharded = DistributedBackend(accelerator).is_zero3 or DistributedBackend(accelerator).is_fsdp
+        reason = nccl_unavailable_reason(
+            torch.cuda.is_available(), importable, len(client.base_urls), client.lora, sharded
+        )
         if reason is not None:
             raise NCCLTransportUnavailable(
                 f"vllm_server_weight_transfer='nccl' cannot run here: {reason}. Use vllm_server_weight_transfer="

@@ -164,6 +164,7 @@ class AsyncGRPOTrainer(
         self._schedule: StalenessSchedule | None = None
         self._resume_window: tuple[dict[str, int], list] | None = None  # read from a checkpoint on resume
         self._rollout_policy_versions = RolloutPolicyVersions()
+        self._inside_train = False  # evaluate() outside train() closes what it started
 
     # ---------------------------------------------------------------- the engine, built at the first rollout
     def _rollout_engine(self):
@@ -221,9 +222,17 @@ class AsyncGRPOTrainer(
         self._producer_tokenizer = copy.deepcopy(self.processing_class)  # decoding off the trainer's thread
         # Full weights in the dtype of a server this trainer started; one the user started casts on load.
         weights_dtype = getattr(torch, self._server_dtype()) if process is not None else None
-        transport = build_server_transport(  # before the producer starts: a refused transport leaves no thread
-            args.vllm_server_weight_transfer, accelerator=self.accelerator, client=client, weights_dtype=weights_dtype
-        )
+        try:  # before the producer starts: a refused transport leaves no thread, and no server of ours
+            transport = build_server_transport(
+                args.vllm_server_weight_transfer,
+                accelerator=self.accelerator,
+                client=client,
+                weights_dtype=weights_dtype,
+            )
+        except Exception:
+            if process is not None:
+                process.stop()
+            raise
         producer = RolloutProducer(
             prompt_for=self._producer_prompt,
             sampler=client,
@@ -310,17 +319,27 @@ class AsyncGRPOTrainer(
         ]
         batch.policy_version = torch.tensor(versions, dtype=torch.long, device=batch.completion_ids.device)
         lag = (self.policy_version - self.accelerator.gather(batch.policy_version)).float()
-        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics = self._metrics["train"]
         metrics["async/policy_version_lag_mean"].append(lag.mean().item())
         metrics["async/policy_version_lag_max"].append(lag.max().item())
         return super()._finish_rollout(batch)
 
     # ---------------------------------------------------------------- lifetime
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        self._inside_train = True
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
+            self._inside_train = False
             self.close_generation()
+
+    def evaluate(self, *args, **kwargs) -> dict[str, float]:
+        """Trainer's evaluation; one called outside ``train()`` stops the producer and the server it started."""
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            if not self._inside_train:
+                self.close_generation()
 
     def close_generation(self) -> None:
         """Stop the producer and the server this trainer started (``train`` does it at the end)."""
