@@ -27,6 +27,27 @@ def is_sequence_level(mode: str) -> bool:
     return mode in ("sequence_truncate", "sequence_mask")
 
 
+def unbounded_log_weights(
+    old_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    sequence_normalisation: str = "sum",
+) -> torch.Tensor:
+    """log(pi_old / pi_sampling) before the clip bounds: per token ((B, T)), or per sequence ((B, 1)) as the sum or
+    the mean of its tokens' (``sequence_normalisation``). A token vLLM could not score (NaN) counts 0."""
+    if sequence_normalisation not in SEQUENCE_NORMALISATIONS:
+        raise ValueError(
+            f"sequence_normalisation must be one of {SEQUENCE_NORMALISATIONS}, got {sequence_normalisation!r}."
+        )
+    difference = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+    if is_sequence_level(mode):
+        difference = difference.sum(dim=-1, keepdim=True)
+        if sequence_normalisation == "mean":
+            difference = difference / mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    return difference
+
+
 def vllm_importance_sampling_ratio(
     old_logps: torch.Tensor,
     sampling_logps: torch.Tensor,
@@ -42,16 +63,7 @@ def vllm_importance_sampling_ratio(
     their geometric mean ("mean")."""
     if mode not in MODES:
         raise ValueError(f"vllm_importance_sampling_mode must be one of {MODES}, got {mode!r}.")
-    if sequence_normalisation not in SEQUENCE_NORMALISATIONS:
-        raise ValueError(
-            f"sequence_normalisation must be one of {SEQUENCE_NORMALISATIONS}, got {sequence_normalisation!r}."
-        )
-    difference = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
-    if is_sequence_level(mode):
-        difference = difference.sum(dim=-1, keepdim=True)
-        if sequence_normalisation == "mean":
-            difference = difference / mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
-    ratio = torch.exp(difference)
+    ratio = torch.exp(unbounded_log_weights(old_logps, sampling_logps, mask, mode, sequence_normalisation))
     if mode.endswith("truncate"):
         return torch.clamp(ratio, min=clip_min, max=clip_max)
     low = clip_min if clip_min is not None else -math.inf

@@ -6,7 +6,11 @@ from __future__ import annotations
 import torch
 
 from ..losses.decoupled_objective import behaviour_kl
-from ..losses.vllm_importance_sampling import is_sequence_level, vllm_importance_sampling_ratio
+from ..losses.vllm_importance_sampling import (
+    is_sequence_level,
+    unbounded_log_weights,
+    vllm_importance_sampling_ratio,
+)
 
 
 class AsyncBehaviourMetricsMixin:
@@ -59,13 +63,8 @@ class AsyncBehaviourMetricsMixin:
             self.vllm_importance_sampling_clip_max,
             self._sequence_weight_normalisation(),
         )
-        difference = (prox - behave) * mask
         sequence = is_sequence_level(mode)
-        if sequence:
-            difference = difference.sum(-1, keepdim=True)
-            if self._sequence_weight_normalisation() == "mean":
-                difference = difference / mask.sum(-1, keepdim=True).clamp(min=1.0)
-        raw = torch.exp(difference)
+        raw = torch.exp(unbounded_log_weights(prox, behave, mask, mode, self._sequence_weight_normalisation()))
         changed = (raw != bounded).to(mask.dtype)
         if sequence:
             counted = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
