@@ -387,3 +387,19 @@ def test_trl_rollout_lines_the_async_trainer_relies_on():
         "seed=self.args.seed,",
     ):
         assert line in sampler, line
+
+
+def test_the_concurrent_tool_loop_keeps_trls_tool_call_loop_contract():
+    """ConcurrentToolLoopMixin replaces TRL's _tool_call_loop: same arguments, the same 7 values returned, the same
+    per-rollout tool dicts read, and TRL's _generate still the one caller."""
+    from trlx_scale.trainer.concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
+
+    assert _parameters(ConcurrentToolLoopMixin._tool_call_loop) == _parameters(trl.GRPOTrainer._tool_call_loop)
+    loop = inspect.getsource(trl.GRPOTrainer._tool_call_loop)
+    assert (
+        "return tool_mask, completions, completion_ids, logprobs, tool_call_count, tool_failure_count, tool_images"
+        in loop
+    )
+    assert "self._sync_tool_dicts[idx_with_tool]" in loop and "self._async_tool_dicts[idx_with_tool]" in loop
+    assert "self._get_tool_suffix_ids(tool_messages)" in loop
+    assert "self._tool_call_loop(" in inspect.getsource(trl.GRPOTrainer._generate)

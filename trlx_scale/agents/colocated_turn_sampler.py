@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 from .multi_turn_rollout import SampledTurn
@@ -23,10 +24,19 @@ from .server_turn_sampler import turn_seed
 class ColocatedTurnSampler:
     """Samples turns on ``llm`` (a ``vllm.LLM`` in this process; see the module docstring)."""
 
-    def __init__(self, llm: Any, temperature: float = 1.0, lora_request: Any = None):
+    def __init__(
+        self,
+        llm: Any,
+        temperature: float = 1.0,
+        lora_request: Any = None,
+        sampling_params: Callable[[int, int], Any] | None = None,
+    ):
         self.engine = llm.llm_engine
         self.temperature = temperature
         self.lora_request = lora_request
+        # (max_tokens, seed) -> SamplingParams: the trainer's engine passes its own (TRL's sampling fields), so a
+        # later turn samples as the first one did; without it, plain sampling at ``temperature``.
+        self.sampling_params = sampling_params
         self.max_in_flight = 0  # the most turns the engine batched together (a metric of the overlap)
         self._waiting: dict[str, asyncio.Future] = {}
         self._driver: asyncio.Task | None = None
@@ -36,13 +46,16 @@ class ColocatedTurnSampler:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            seed=turn_seed(seed, turn),
-            logprobs=0,
-            skip_special_tokens=False,
-        )
+        if self.sampling_params is not None:
+            params = self.sampling_params(max_tokens, turn_seed(seed, turn))
+        else:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                seed=turn_seed(seed, turn),
+                logprobs=0,
+                skip_special_tokens=False,
+            )
         request_id = f"trlx-scale-turn-{next(self._ids)}"
         future = asyncio.get_running_loop().create_future()
         self.engine.add_request(

@@ -24,10 +24,12 @@ What is TRL's and what is ours:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from transformers import is_bitsandbytes_available
@@ -331,6 +333,49 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             self._llm_weights_sleeping = self.lifecycle.weights_discarded
         self._record_generation(result[1], seconds, memory_before, memory_awake)
         return result
+
+    @contextlib.contextmanager
+    def serving_turns(self) -> Iterator[Any]:
+        """The engine awake for a multi-turn rollout's later turns (``agents.colocated_turn_sampler``): the same
+        round as ``generate``'s (serve the current version, wake the KV cache, sleep afterwards, also after a
+        failure); yields the ``vllm.LLM`` whose requests the turns add, with the adapter to serve them with."""
+        self._serve_current_version()
+        self.lifecycle.wake_kv_cache()
+        self.lifecycle.begin_generation()
+        start = time.perf_counter()
+        try:
+            yield self.llm.inner
+        finally:
+            self._metrics["generation/later_turns_seconds"] = time.perf_counter() - start
+            self.lifecycle.end_generation(sleep=self.enable_sleep_mode)
+            self._llm_weights_sleeping = self.lifecycle.weights_discarded
+
+    def turn_sampling_params(self, max_tokens: int, seed: int | None) -> Any:
+        """``SamplingParams`` of one later turn: TRL's colocate parameters (``generate``: temperature, top-p/k,
+        min-p, repetition penalty, log-probs, ``generation_kwargs``, structured outputs) with the turn's token
+        budget and seed, so a turn samples from the distribution TRL's loop would sample it from."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs = {
+            "n": 1,
+            "repetition_penalty": self.repetition_penalty,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "max_tokens": max_tokens,
+            "logprobs": self.logprobs,
+        }
+        kwargs.update(self.generation_kwargs)
+        if self.structured_outputs_regex is not None:
+            kwargs["structured_outputs"] = StructuredOutputsParams(regex=self.structured_outputs_regex)
+        elif isinstance(kwargs.get("structured_outputs"), dict):
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+        kwargs["max_tokens"] = max_tokens  # the turn's budget, whatever generation_kwargs says
+        kwargs["seed"] = seed
+        kwargs["skip_special_tokens"] = False  # the ids are what count; the text is decoded by the trainer
+        return SamplingParams(**kwargs)
 
     def _record_generation(self, completion_ids, seconds: float, memory_before, memory_awake) -> None:
         tokens = sum(len(ids) for ids in completion_ids)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig as TRLGRPOConfig
 
+from ..agents.agent_fields import AgentFields
 from ..generation.engine_fields import ColocatedEngineFields
 from ..losses.policy_losses import LEVELS
 from ..losses.recipes import LENGTH_WEIGHTED_LOSSES, RECIPES, apply_recipe
@@ -23,6 +24,7 @@ from .shared_fields import (
 @registers_options(plain_trl_defaults={"balance_ranks": "false"})
 @dataclass
 class GRPOConfig(
+    AgentFields,
     ColocatedEngineFields,
     OptimizerPresetFields,
     PackingFields,
@@ -43,6 +45,7 @@ class GRPOConfig(
       `vllm_dtype`, `vllm_enforce_eager`, `vllm_sync_mode`, `vllm_sleep_level`, `vllm_sync_bucket_mb`;
     - optimizer fields shared with them (`OptimizerPresetFields`): `optim_preset`, `fp32_master_weights`;
     - packing fields shared with them (`PackingFields`): `padding_free`, `max_tokens_per_microbatch`;
+    - multi-turn tool calls (`AgentFields`): `tool_scheduling`, `tool_timeout`;
     - GRPO's own: `offload_optimizer_during_generation`, `loss_recipe` (`"gspo"`), `shared_prefix`,
       `old_logprobs_from_loss_pass`, `balance_ranks`; and
       `importance_sampling_level` also accepts `"sequence_token"` (GSPO-token).
@@ -117,6 +120,7 @@ class GRPOConfig(
         self.validate_reliability_fields()
         self.validate_hub_fields()
         self.validate_packing_fields()
+        self.validate_agent_fields()
         if self.importance_sampling_level not in LEVELS:
             raise ValueError(
                 f"importance_sampling_level must be one of {LEVELS}, got {self.importance_sampling_level!r}."

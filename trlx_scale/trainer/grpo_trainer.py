@@ -8,6 +8,9 @@ are listed in docs/defaults.md). The rollout path:
     -> log-prob pass (``passes``: padded or shared prefix, chosen once per run)
     -> TRL's loss (GSPO ratios from ``losses``; vLLM's correction from the loss pass)
 
+Tool calling (``tools`` / ``environment_factory``): TRL's first turn, then each trajectory at its own pace on the
+colocated engine (``ConcurrentToolLoopMixin``; ``tool_scheduling``).
+
 The cross-cutting features (profiler, non-finite guard, policy version, atomic checkpoints, Hub push, planned
 memory, fp32 masters) come from ``TrainerFeatures`` (``trainer/features.py``).
 """
@@ -44,6 +47,7 @@ from ..reliability.checkpoints import checkpoint_world_size
 from ..reliability.input_checks import GRPO_COLUMNS, check_dataset_columns, check_launch_matches, check_train_dataset
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from ..rollout.batch import RolloutBatch
+from .concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
 from .features import TrainerFeatures
 from .grpo_config import GRPOConfig
 from .padding_free_mixin import PaddingFreeMixin
@@ -65,7 +69,7 @@ logger = logging.get_logger(__name__)
 ROLLOUT_STATE_NAME = "rollout_state_rank{}.pt"
 
 
-class GRPOTrainer(RankBalanceMixin, PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer):
+class GRPOTrainer(ConcurrentToolLoopMixin, RankBalanceMixin, PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer):
     """Group Relative Policy Optimization, as [`trl.GRPOTrainer`], with trlx_scale's scaling features.
 
     The constructor mirrors TRL's argument for argument (a contract test compares the signatures), so a script

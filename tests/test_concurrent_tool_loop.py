@@ -1,0 +1,187 @@
+"""GRPOTrainer's tool-calling turns without lockstep (trainer/concurrent_tool_loop_mixin.py) on the real vLLM CPU engine:
+the same tokens, masks and messages as TRL's lockstep loop, a trajectory's tools never wait for the others', a hung
+tool is a tool error, and a TRL ``environment_factory`` environment runs unchanged."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trlx_scale import GRPOTrainer
+from trlx_scale.tasks.tool_chat_template import tool_call_regex, with_tool_template
+
+from .helpers.trainers import logged, small_grpo_config
+
+
+class _RecordingGRPOTrainer(GRPOTrainer):
+    """Keeps what the tool loop returned (a test's subclass: the trainer's own code runs unchanged)."""
+
+    def _tool_call_loop(self, *args):
+        self.recorded_loop = super()._tool_call_loop(*args)
+        return self.recorded_loop
+
+
+def inc(a: int) -> int:
+    """Add one to an integer.
+
+    Args:
+        a: The integer.
+    """
+    return a + 1
+
+
+def _dataset(count: int) -> Dataset:
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i + 1}"}]} for i in range(count)])
+
+
+def _config(tmp_path, name: str, **overrides):
+    values = dict(
+        use_vllm=True,
+        vllm_mode="colocate",
+        max_steps=1,
+        max_completion_length=180,
+        vllm_max_model_length=256,
+        # Every turn of the untrained model is a tool call: the number of turns is max_tool_calling_iterations + 1.
+        vllm_structured_outputs_regex=tool_call_regex("inc", ("a",)),
+        max_tool_calling_iterations=2,
+    )
+    values.update(overrides)
+    return small_grpo_config(tmp_path / name, **values)
+
+
+def _train(tmp_path, name, default_model_dir, default_tokenizer, trainer_cls=_RecordingGRPOTrainer, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    overrides = kwargs.pop("config", {})
+    trainer = trainer_cls(
+        model=AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32),
+        reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+        args=_config(tmp_path, name, **overrides),
+        train_dataset=_dataset(2),
+        processing_class=with_tool_template(default_tokenizer),
+        **kwargs,
+    )
+    trainer.train()
+    return trainer
+
+
+def test_concurrent_turns_equal_trls_lockstep_loop(tmp_path, default_model_dir, default_tokenizer):
+    """At top_k=1 (greedy, any seed) both loops must sample the same turns: then the completion ids, the tool masks
+    (0 exactly on the rendered tool results, 1 on every sampled token, end token included), the log-probs (0 on
+    tool tokens), the messages and the counts must be equal, item by item."""
+    runs = {}
+    for scheduling in ("lockstep", "concurrent"):
+        trainer = _train(
+            tmp_path,
+            scheduling,
+            default_model_dir,
+            default_tokenizer,
+            tools=[inc],
+            # One tool round: TRL's loop asks the engine for max_completion_length more tokens after the held ones.
+            config=dict(
+                tool_scheduling=scheduling,
+                generation_kwargs={"top_k": 1},
+                max_tool_calling_iterations=1,
+                max_completion_length=120,
+            ),
+        )
+        runs[scheduling] = trainer.recorded_loop
+        tokenizer = trainer.processing_class
+    lockstep, concurrent = runs["lockstep"], runs["concurrent"]
+    tool_mask, completions, completion_ids, logprobs, calls, failures, _ = concurrent
+    assert completion_ids == lockstep[2]
+    assert tool_mask == lockstep[0]
+    assert completions == lockstep[1]
+    assert (calls, failures) == (lockstep[4], lockstep[5]) == (8, 0)  # 8 trajectories x 1 round, none failed
+    for ours, theirs in zip(logprobs, lockstep[3], strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-5)
+    # By hand for one trajectory: call, result, call; each call ends on the end token (trained).
+    ids, mask = completion_ids[0], tool_mask[0]
+    assert len(mask) == len(ids)
+    text_trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    text_masked = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if not m])
+    assert text_trained.count("<call>") == 2 and text_trained.count("<|end|>") == 2
+    assert text_masked.count("<tool>") == 1 and "<call>" not in text_masked
+    assert [message["role"] for message in completions[0]] == ["assistant", "tool", "assistant"]
+    first = completions[0][0]["tool_calls"][0]["function"]
+    assert completions[0][1]["content"] == str(first["arguments"]["a"] + 1)
+    for index, ours in enumerate(logprobs):
+        assert all(value == 0.0 for value, m in zip(ours, tool_mask[index], strict=True) if not m)
+
+
+class _WaitingCalculator:
+    """A TRL ``environment_factory`` environment (reset / public tools / get_reward), written for TRL. The first
+    instance's first call waits until six others have made all their calls: in a lockstep loop (each round waits for
+    every trajectory's tools, one after another) that never happens; here each trajectory goes on alone. The second
+    instance's first call hangs past ``tool_timeout``."""
+
+    instances: list = []
+    lock = threading.Lock()
+    others_done = threading.Event()
+    expected_calls = 0
+    timeout = 0.0
+
+    def reset(self, **row):
+        with self.lock:
+            self.index = len(self.instances)
+            self.instances.append(self)
+        self.calls = 0
+
+    def inc(self, a: int) -> int:
+        """Add one to an integer.
+
+        Args:
+            a: The integer.
+        """
+        self.calls += 1
+        if self.index == 0 and self.calls == 1:
+            if not self.others_done.wait(self.timeout - 1):  # within its own timeout
+                raise TimeoutError("the other trajectories never made their calls: this one held them")
+        elif self.index == 1 and self.calls == 1:
+            time.sleep(self.timeout + 4)  # hung: a tool error for the model, not a crash and not a hang
+        with self.lock:
+            if sum(instance.calls for instance in self.instances[2:]) >= self.expected_calls:
+                self.others_done.set()
+        return a + 1
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+def test_a_trajectory_waiting_on_its_tool_holds_no_other_and_a_hung_tool_is_a_tool_error(
+    tmp_path, default_model_dir, default_tokenizer
+):
+    _WaitingCalculator.instances = []
+    _WaitingCalculator.others_done = threading.Event()
+    _WaitingCalculator.expected_calls = 6 * 2  # six other trajectories' 2 rounds each
+    _WaitingCalculator.timeout = 8.0
+    trainer = _train(
+        tmp_path,
+        "waiting",
+        default_model_dir,
+        default_tokenizer,
+        environment_factory=_WaitingCalculator,
+        config=dict(tool_timeout=_WaitingCalculator.timeout, max_completion_length=180),
+    )
+    _, completions, _, _, calls, failures, _ = trainer.recorded_loop
+    assert _WaitingCalculator.others_done.is_set()
+    assert calls == 16 and failures == 1  # 8 trajectories x 2 rounds; the one call past its timeout
+    assert logged(trainer, "tools/timeout") == [1.0]
+    assert logged(trainer, "tools/raised") == [0.0]
+    results = [message["content"] for trajectory in completions for message in trajectory if message["role"] == "tool"]
+    assert sum("timed out after 8 s" in content for content in results) == 1
+    assert logged(trainer, "agents/tool_rounds_max") == [2.0]
+    assert logged(trainer, "agents/later_turns_max_in_flight")[0] >= 2  # turns of several trajectories batched
+    # The environment's get_reward is a reward source, as in TRL: the calls each instance made.
+    assert logged(trainer, "rewards/_WaitingCalculator/mean") == [2.0]
+
+
+def test_tool_scheduling_is_checked_by_name(tmp_path):
+    with pytest.raises(ValueError, match="tool_scheduling must be one of"):
+        small_grpo_config(tmp_path, tool_scheduling="parallel")
+    with pytest.raises(ValueError, match="tool_timeout must be positive"):
+        small_grpo_config(tmp_path, tool_timeout=0)

@@ -1,0 +1,48 @@
+"""Config fields of multi-turn tool calling (``GRPOConfig`` and the trainers built on it: PPO)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..options import registers_options
+
+TOOL_SCHEDULINGS = ("concurrent", "lockstep")
+
+
+# A plain TRL config runs TRL's own loop, as TRL does.
+@registers_options(plain_trl_defaults={"tool_scheduling": "lockstep"})
+@dataclass
+class AgentFields:
+    """How a multi-turn rollout's tool calls and later turns are scheduled (``tools`` / ``environment_factory``)."""
+
+    tool_scheduling: str = field(
+        default="concurrent",
+        metadata={
+            "help": "With tools or an environment_factory on the colocated vLLM engine: 'concurrent' runs each "
+            "trajectory at its own pace after the first turn (its tool calls run concurrently off the trainer's "
+            "thread under tool_timeout, and its next turn goes to the engine as soon as its tools returned, while "
+            "other trajectories generate or wait on theirs: vLLM's continuous batching takes whatever is ready); "
+            "'lockstep' is TRL's loop (every turn waits for the whole batch's generations and tools, synchronous "
+            "tools one after another). The same tokens, masks and messages either way. Default 'concurrent': "
+            "faster whenever tools take time or trajectories need different numbers of turns "
+            "(docs/benchmarks.md, 'Multi-turn tool calls'). Other engines always use TRL's loop.",
+            "choices": list(TOOL_SCHEDULINGS),
+        },
+    )
+    tool_timeout: float = field(
+        default=300.0,
+        metadata={
+            "help": "Seconds a tool call may take under tool_scheduling='concurrent'; past it the call is cancelled "
+            "(a coroutine) or abandoned (a synchronous tool's thread runs on, its result dropped) and the model "
+            "reads a tool error, as for a tool that raised. Counted apart in tools/timeout."
+        },
+    )
+
+    def validate_agent_fields(self) -> None:
+        if self.tool_scheduling not in TOOL_SCHEDULINGS:
+            raise ValueError(
+                f"tool_scheduling must be one of {TOOL_SCHEDULINGS}, got {self.tool_scheduling!r} ('concurrent' "
+                "runs each trajectory at its own pace, 'lockstep' is TRL's loop)."
+            )
+        if not self.tool_timeout > 0:
+            raise ValueError(f"tool_timeout must be positive seconds, got {self.tool_timeout}.")

@@ -1,0 +1,171 @@
+"""``ConcurrentToolLoopMixin``: GRPO's tool-calling turns without lockstep on the colocated engine.
+
+TRL 1.16 keeps the multi-turn rollout in ``_tool_call_loop`` (called by ``_generate`` after the first turn, when the
+trainer has tools or an ``environment_factory``): lockstep rounds over the whole batch (see
+``agents.tool_call_continuation``). This mixin overrides that one method: with ``tool_scheduling='concurrent'`` and
+trlx_scale's colocated engine, every trajectory continues at its own pace (``continue_trajectories``), its turns added
+to the running engine (``agents.colocated_turn_sampler``) inside one engine round (``serving_turns``: the weights
+served are the trainer's current version, the engine sleeps afterwards). It returns what TRL's loop returns, so
+TRL's ``_generate`` and everything after it (rewards with the whole conversation, ``tool_mask`` in the loss and its
+normaliser, the metrics) run unchanged.
+
+Where the concurrent loop does not apply (``tool_scheduling='lockstep'``, TRL's transformers or server generation,
+tensor-parallel engines whose ranks must sample together, image inputs), TRL's loop runs, and the reason is logged
+once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from transformers.utils import logging
+from trl.chat_template_utils import parse_response
+
+from ..agents.colocated_turn_sampler import ColocatedTurnSampler
+from ..agents.tool_call_continuation import ContinuationLimits, TrajectoryState, continue_trajectories
+from ..agents.tool_runner import ToolRunner, ToolStats
+from ..options import option
+
+logger = logging.get_logger(__name__)
+
+# The most threads the synchronous tools of one rollout hold at once (one per trajectory up to this).
+MAX_TOOL_THREADS = 64
+
+
+class ConcurrentToolLoopMixin:
+    """Overrides TRL's ``_tool_call_loop`` (see the module docstring); needs ``_rollout_engine`` (GRPOTrainer)."""
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        reason = self._lockstep_reason(images, multimodal_fields)
+        if reason is not None:
+            if option(self.args, "tool_scheduling") == "concurrent" and not getattr(self, "_told_lockstep", False):
+                logger.info("Tool calls run in TRL's lockstep loop: %s.", reason)
+                self._told_lockstep = True
+            return super()._tool_call_loop(
+                prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+            )
+        engine = self._rollout_engine()
+        states = [
+            TrajectoryState(
+                prompt=prompts[i],
+                prompt_ids=list(prompt_ids[i]),
+                completion_ids=list(completion_ids[i]),
+                completion=completions[i],
+                logprobs=None if logprobs is None else list(logprobs[i]),
+                tool_mask=[1] * len(completion_ids[i]),
+                tools=tools,
+            )
+            for i, tools in enumerate(self._tools_of_rollouts(len(prompt_ids)))
+        ]
+        stats = ToolStats()
+        executor = ThreadPoolExecutor(
+            max_workers=min(MAX_TOOL_THREADS, max(1, len(states))), thread_name_prefix="trlx-scale-tool"
+        )
+        timeout = option(self.args, "tool_timeout")
+        runners = [
+            ToolRunner({**self._sync_tool_dicts[i], **self._async_tool_dicts[i]}, timeout=timeout, executor=executor)
+            for i in range(len(states))
+        ]
+        mode = "train" if self.model.training else "eval"
+        try:
+            with engine.serving_turns() as llm:
+                sampler = ColocatedTurnSampler(
+                    llm, lora_request=engine.llm.lora_request, sampling_params=engine.turn_sampling_params
+                )
+                limits = ContinuationLimits(
+                    max_completion_length=self.max_completion_length,
+                    max_model_len=llm.llm_engine.model_config.max_model_len,
+                    max_tool_calling_iterations=self.max_tool_calling_iterations,
+                )
+                states = _run_blocking(
+                    continue_trajectories(
+                        states,
+                        runners,
+                        [self._trajectory_seed(i, mode) for i in range(len(states))],
+                        sampler=sampler,
+                        suffix_ids=self._get_tool_suffix_ids,
+                        parse=self._parse_turn,
+                        limits=limits,
+                        stats=stats,
+                    )
+                )
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)  # a timed-out synchronous tool's thread runs on
+        self._record_tool_loop(stats, states, sampler.max_in_flight, engine.pop_metrics(), mode)
+        return (
+            [state.tool_mask for state in states],
+            [state.completion for state in states],
+            [state.completion_ids for state in states],
+            None if logprobs is None else [state.logprobs for state in states],
+            sum(state.tool_calls for state in states),
+            sum(state.tool_failures for state in states),
+            [[] for _ in states],  # text-only results (image content is refused by the concurrent loop)
+        )
+
+    def _lockstep_reason(self, images, multimodal_fields) -> str | None:
+        """Why this rollout's tool turns run in TRL's loop, or None for the concurrent one."""
+        if option(self.args, "tool_scheduling") == "lockstep":
+            return "tool_scheduling='lockstep'"
+        engine = self._rollout_engine()
+        if engine is None:
+            return "the concurrent loop needs trlx_scale's colocated vLLM engine (use_vllm=True, vllm_mode='colocate')"
+        if engine.tensor_parallel_size > 1:
+            return "a tensor-parallel engine's ranks sample every request together"
+        if images is not None or multimodal_fields or self._is_vlm:
+            return "image inputs"
+        return None
+
+    def _tools_of_rollouts(self, count: int) -> list:
+        """The tools each rollout's prompt was rendered with (what ``parse_response`` needs), as TRL picks them."""
+        if self.environment_factories is not None:
+            return [self._env_tools[name] for name in self._batch_environments]
+        return [self.tools] * count
+
+    def _parse_turn(self, ids: list[int], held: list[int], tools: list) -> dict:
+        """A later turn's message, parsed as TRL's loop parses it (``held``: the ids the turn continued)."""
+        return parse_response(self._tokenizer, ids, prefix=held, tools=tools)
+
+    def _trajectory_seed(self, index: int, mode: str) -> int:
+        """A trajectory's seed, from the run's seed, the rank, the step and its index: a resumed run samples the
+        later turns the uninterrupted one sampled."""
+        key = f"{self.args.seed}|{self.accelerator.process_index}|{self.state.global_step}|{mode}|{index}"
+        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
+
+    def _record_tool_loop(self, stats: ToolStats, states, max_in_flight: int, engine_metrics: dict, mode: str) -> None:
+        metrics = self._metrics[mode]
+        for name, value in stats.as_metrics().items():
+            if name != "tools/failure_frequency":  # TRL logs its own, from the counts this loop returns
+                metrics[name].append(value)
+        rounds = [state.tool_rounds for state in states]
+        metrics["agents/tool_rounds_mean"].append(sum(rounds) / max(len(rounds), 1))
+        metrics["agents/tool_rounds_max"].append(float(max(rounds, default=0)))
+        metrics["agents/later_turns_max_in_flight"].append(float(max_in_flight))
+        for name, value in engine_metrics.items():
+            metrics[name].append(value)
+
+
+def _run_blocking(coroutine) -> Any:
+    """Runs ``coroutine`` to completion from synchronous code: on a new event loop in this thread, or, when this
+    thread already runs a loop (a notebook), on one in a helper thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = asyncio.run(coroutine)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = error
+
+    thread = threading.Thread(target=run, name="trlx-scale-tool-loop")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
