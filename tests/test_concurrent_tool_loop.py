@@ -81,13 +81,7 @@ def test_concurrent_turns_equal_trls_lockstep_loop(tmp_path, default_model_dir, 
             default_model_dir,
             default_tokenizer,
             tools=[inc],
-            # One tool round: TRL's loop asks the engine for max_completion_length more tokens after the held ones.
-            config=dict(
-                tool_scheduling=scheduling,
-                generation_kwargs={"top_k": 1},
-                max_tool_calling_iterations=1,
-                max_completion_length=120,
-            ),
+            config=dict(tool_scheduling=scheduling, generation_kwargs={"top_k": 1}),
         )
         runs[scheduling] = trainer.recorded_loop
         tokenizer = trainer.processing_class
@@ -96,17 +90,17 @@ def test_concurrent_turns_equal_trls_lockstep_loop(tmp_path, default_model_dir, 
     assert completion_ids == lockstep[2]
     assert tool_mask == lockstep[0]
     assert completions == lockstep[1]
-    assert (calls, failures) == (lockstep[4], lockstep[5]) == (8, 0)  # 8 trajectories x 1 round, none failed
+    assert (calls, failures) == (lockstep[4], lockstep[5]) == (16, 0)  # 8 trajectories x 2 rounds, none failed
     for ours, theirs in zip(logprobs, lockstep[3], strict=True):
         assert ours == pytest.approx(theirs, abs=1e-5)
-    # By hand for one trajectory: call, result, call; each call ends on the end token (trained).
+    # By hand for one trajectory: call, result, call, result, call; each call ends on the end token (trained).
     ids, mask = completion_ids[0], tool_mask[0]
     assert len(mask) == len(ids)
     text_trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
     text_masked = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if not m])
-    assert text_trained.count("<call>") == 2 and text_trained.count("<|end|>") == 2
-    assert text_masked.count("<tool>") == 1 and "<call>" not in text_masked
-    assert [message["role"] for message in completions[0]] == ["assistant", "tool", "assistant"]
+    assert text_trained.count("<call>") == 3 and text_trained.count("<|end|>") == 3
+    assert text_masked.count("<tool>") == 2 and "<call>" not in text_masked
+    assert [message["role"] for message in completions[0]] == ["assistant", "tool"] * 2 + ["assistant"]
     first = completions[0][0]["tool_calls"][0]["function"]
     assert completions[0][1]["content"] == str(first["arguments"]["a"] + 1)
     for index, ours in enumerate(logprobs):
@@ -165,7 +159,7 @@ def test_a_trajectory_waiting_on_its_tool_holds_no_other_and_a_hung_tool_is_a_to
         default_model_dir,
         default_tokenizer,
         environment_factory=_WaitingCalculator,
-        config=dict(tool_timeout=_WaitingCalculator.timeout, max_completion_length=180),
+        config=dict(tool_timeout=_WaitingCalculator.timeout),
     )
     _, completions, _, _, calls, failures, _ = trainer.recorded_loop
     assert _WaitingCalculator.others_done.is_set()

@@ -112,6 +112,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         # Names of the trainer's parameters that are not the policy's weights (PPO's shared-base value head lives on
         # the policy's module so that it is sharded with it): left out of every sync.
         self.excluded_parameter_prefixes: tuple[str, ...] = ()
+        self._continuing_turns = False  # inside TRL's lockstep tool loop (``continuing_turns``)
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ construction
@@ -317,7 +318,10 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         """TRL's colocate ``generate``, run on ``GroupedLLM`` inside the engine's lifecycle:
         sync if asleep -> wake the KV cache -> reset the prefix cache -> TRL's generate -> sleep."""
         context = self.llm.llm_engine.model_config.max_model_len
-        check_prompts_fit_context(_prompt_token_ids(prompts), self.max_completion_length, context)  # before waking
+        # Before waking. A later turn of TRL's lockstep tool loop asks for max_completion_length tokens after the held
+        # ones and cuts the excess itself: only vLLM's own rule (the prompt leaves room for a token) applies there.
+        budget = 1 if self._continuing_turns else self.max_completion_length
+        check_prompts_fit_context(_prompt_token_ids(prompts), budget, context)
         memory_before = _device_memory()
         self._serve_current_version()
         self.lifecycle.wake_kv_cache()
@@ -333,6 +337,15 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             self._llm_weights_sleeping = self.lifecycle.weights_discarded
         self._record_generation(result[1], seconds, memory_before, memory_awake)
         return result
+
+    @contextlib.contextmanager
+    def continuing_turns(self) -> Iterator[None]:
+        """While TRL's lockstep tool loop generates later turns through ``generate`` (see there)."""
+        self._continuing_turns = True
+        try:
+            yield
+        finally:
+            self._continuing_turns = False
 
     @contextlib.contextmanager
     def serving_turns(self) -> Iterator[Any]:

@@ -17,6 +17,7 @@ once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -45,9 +46,11 @@ class ConcurrentToolLoopMixin:
             if option(self.args, "tool_scheduling") == "concurrent" and not getattr(self, "_told_lockstep", False):
                 logger.info("Tool calls run in TRL's lockstep loop: %s.", reason)
                 self._told_lockstep = True
-            return super()._tool_call_loop(
-                prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
-            )
+            engine = self._rollout_engine()
+            with engine.continuing_turns() if engine is not None else contextlib.nullcontext():
+                return super()._tool_call_loop(
+                    prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+                )
         engine = self._rollout_engine()
         states = [
             TrajectoryState(
