@@ -179,3 +179,83 @@ def test_tool_scheduling_is_checked_by_name(tmp_path):
         small_grpo_config(tmp_path, tool_scheduling="parallel")
     with pytest.raises(ValueError, match="tool_timeout must be positive"):
         small_grpo_config(tmp_path, tool_timeout=0)
+
+
+@pytest.mark.slow
+def test_ranks_with_different_turn_counts_both_finish(tmp_path):
+    """2 gloo processes, each with its colocated engine: rank 0's trajectories take 1 turn, rank 1's take 4 (3 tool
+    rounds). TRL's loop would have rank 1 call generation three more times than rank 0; the concurrent loop calls no
+    collective after the first turn, so both ranks train both steps."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .helpers.launch import REPO_ROOT, launch_env
+
+    script = os.path.join(REPO_ROOT, "tests", "distributed", "uneven_tool_turns.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29685"]
+    env = dict(launch_env(), VLLM_CPU_KVCACHE_SPACE="1")
+    result = subprocess.run(
+        [*command, script, str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [report["steps"] for report in reports] == [2, 2]
+    for rollout in reports[0]["rollouts"]:
+        assert rollout["calls"] == 0 and set(rollout["turns"]) == {1}
+    for rollout in reports[1]["rollouts"]:
+        assert rollout["calls"] == 3 * 4 and set(rollout["turns"]) == {7}  # 4 assistant turns + 3 tool results
+
+
+def test_multi_turn_losses_are_the_same_in_packed_padded_and_shared_prefix_passes(
+    tmp_path, default_model_dir, default_tokenizer
+):
+    """The same multi-turn batch (per-request seeds, so every run samples it) trains to the same loss and gradient norm
+    with padded rows, packed rows and the shared-prefix pass: the tool tokens are masked out of the loss and its
+    normaliser by TRL's tool_mask, which the packed and shared-prefix passes carry."""
+    from transformers import AutoModelForCausalLM
+
+    from trlx_scale.tasks.tool_chat_template import every_turn_calls
+
+    tokenizer = with_tool_template(default_tokenizer)
+    tokenizer.response_template = every_turn_calls("inc", "a")  # every turn starting with a digit calls inc(a)
+
+    def inc_text(a: str) -> str:
+        """Add one to a number written as text.
+
+        Args:
+            a: The number.
+        """
+        return str(int(a) + 1) if a.isdigit() else "?"
+
+    logs = {}
+    for name, overrides in {
+        "padded": dict(padding_free="false"),
+        "packed": dict(padding_free="true"),
+        "shared_prefix": dict(padding_free="false", shared_prefix="true"),
+    }.items():
+        trainer = GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32),
+            reward_funcs=lambda completions, **_: [float(len(str(c))) for c in completions],  # differs in a group
+            args=small_grpo_config(
+                tmp_path / name,
+                use_vllm=True,
+                vllm_mode="colocate",
+                max_steps=1,
+                max_completion_length=40,
+                vllm_max_model_length=128,
+                max_tool_calling_iterations=2,
+                **overrides,
+            ),
+            train_dataset=_dataset(2),
+            processing_class=tokenizer,
+            tools=[inc_text],
+        )
+        trainer.train()
+        logs[name] = (logged(trainer, "loss")[0], logged(trainer, "grad_norm")[0], logged(trainer, "tools/calls")[0])
+    assert logs["padded"][2] > 0 and logs["padded"][1] > 0  # a multi-turn batch with a gradient
+    for name in ("packed", "shared_prefix"):
+        assert logs[name][2] == logs["padded"][2]
+        assert logs[name][0] == pytest.approx(logs["padded"][0], rel=1e-4, abs=1e-6)
+        assert logs[name][1] == pytest.approx(logs["padded"][1], rel=1e-4)

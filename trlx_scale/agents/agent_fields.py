@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ..options import registers_options
 
 TOOL_SCHEDULINGS = ("concurrent", "lockstep")
+TOOL_RESPONSE_OVERFLOW = ("truncate", "drop")
 
 
 # A plain TRL config runs TRL's own loop, as TRL does.
@@ -38,6 +39,31 @@ class AgentFields:
         },
     )
 
+    max_turn_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Under tool_scheduling='concurrent': the most tokens one later turn may sample (each turn's "
+            "max_tokens is the least of this, what is left of max_completion_length and what is left of the "
+            "engine's context). None: only the last two."
+        },
+    )
+    max_tool_response_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Under tool_scheduling='concurrent': the most tokens of one tool result the model reads; a longer "
+            "one is cut or replaced as tool_response_overflow says (counted in agents/truncated_tool_responses). "
+            "None: results are not capped (TRL's loop)."
+        },
+    )
+    tool_response_overflow: str = field(
+        default="truncate",
+        metadata={
+            "help": "What a tool result over max_tool_response_tokens becomes: 'truncate' keeps its first tokens, "
+            "'drop' replaces it by an error message the model reads.",
+            "choices": list(TOOL_RESPONSE_OVERFLOW),
+        },
+    )
+
     def validate_agent_fields(self) -> None:
         if self.tool_scheduling not in TOOL_SCHEDULINGS:
             raise ValueError(
@@ -46,3 +72,11 @@ class AgentFields:
             )
         if not self.tool_timeout > 0:
             raise ValueError(f"tool_timeout must be positive seconds, got {self.tool_timeout}.")
+        for name in ("max_turn_tokens", "max_tool_response_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1 token, or None for no cap; got {value}.")
+        if self.tool_response_overflow not in TOOL_RESPONSE_OVERFLOW:
+            raise ValueError(
+                f"tool_response_overflow must be one of {TOOL_RESPONSE_OVERFLOW}, got {self.tool_response_overflow!r}."
+            )

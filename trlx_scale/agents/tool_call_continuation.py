@@ -19,9 +19,11 @@ completions, log-probs) and returns what TRL's loop returns, computed per trajec
 4. the next turn is sampled (``TurnSampler``: on the colocated engine, a request added to the running engine, so
    vLLM's continuous batching takes it with whatever other turns are in flight) and parsed (``parse(ids, held ids,
    the trajectory's tools)``);
-5. repeat while the turn calls tools, up to ``max_tool_calling_iterations`` rounds.
+5. repeat while the turn calls tools, up to ``max_tool_calling_iterations`` rounds; a turn cut at its token limit
+   runs no tool (its call may be cut too), and a tool result can be capped (``fit_tool_message``).
 
-The tokens, masks and messages are the ones TRL's loop produces (tool tokens masked 0, sampled tokens 1 with their
+Why each trajectory ended is kept (``TrajectoryState.stop_reason``, ``STOP_REASONS``). Where no turn is cut and no
+result capped, the tokens, masks and messages are the ones TRL's loop produces (tool tokens masked 0, sampled tokens 1 with their
 log-probs, tool tokens' log-probs 0): the test holds the two loops to each other on the real engine at temperature 0.
 Only the scheduling differs. No collective is called after the first turn, so ranks whose trajectories take
 different numbers of turns never wait on each other.
@@ -49,9 +51,18 @@ class TrajectoryState:
     logprobs: list[float] | None
     tool_mask: list[int]
     tools: Any = None  # what ``parse`` needs to read this trajectory's tool calls (the tools its prompt offered)
+    last_turn_cut: bool = False  # the last turn ended on its token limit, not on the end token
     tool_calls: int = 0
     tool_failures: int = 0
     tool_rounds: int = 0
+    truncated_tool_responses: int = 0
+    stop_reason: str = "done"  # one of STOP_REASONS
+
+
+# Why a trajectory ended: "done" (its last turn called no tool), "length" (its last turn was cut at its token limit:
+# its call, if any, is not run), "budget" (a tool result would not fit: rolled back, TRL's rule), "tool_rounds" (it
+# called a tool past max_tool_calling_iterations).
+STOP_REASONS = ("done", "length", "budget", "tool_rounds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +70,7 @@ class ContinuationLimits:
     max_completion_length: int  # sampled and tool tokens after the prompt, as TRL counts them
     max_model_len: int  # the engine's context
     max_tool_calling_iterations: int
+    max_turn_tokens: int | None = None  # one later turn's own cap
 
 
 async def continue_trajectory(
@@ -71,10 +83,18 @@ async def continue_trajectory(
     limits: ContinuationLimits,
     seed: int,
     stats: ToolStats,
+    fit_tool_message: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] | None = None,
 ) -> TrajectoryState:
-    """Runs the trajectory's tool rounds and later turns (the module docstring's steps); returns ``state``."""
+    """Runs the trajectory's tool rounds and later turns (the module docstring's steps); returns ``state``.
+    ``fit_tool_message`` caps a tool result's tokens (``TurnBudget.fit_tool_message``); None: no cap."""
     tool_calls = state.completion[-1].get("tool_calls") if state.completion else None
-    while tool_calls and state.tool_rounds < limits.max_tool_calling_iterations:
+    while tool_calls:
+        if state.last_turn_cut:
+            state.stop_reason = "length"  # a cut-off call is not run (TRL's loop runs whatever parses)
+            break
+        if state.tool_rounds >= limits.max_tool_calling_iterations:
+            state.stop_reason = "tool_rounds"
+            break
         completion_before, prompt_before = len(state.completion), len(state.prompt)
         state.prompt.append(state.completion[-1])  # the assistant message that called the tools
         results = await runner.run(tool_calls)
@@ -88,7 +108,11 @@ async def continue_trajectory(
                     f"Tool {result.name} returned content blocks (images): tool_scheduling='concurrent' handles text "
                     "results only; set tool_scheduling='lockstep' for tools that return images."
                 )
-            messages.append(result.message)
+            message = result.message
+            if fit_tool_message is not None:
+                message, changed = fit_tool_message(message)
+                state.truncated_tool_responses += changed
+            messages.append(message)
         state.prompt.extend(messages)
         state.completion.extend(messages)
         held = state.prompt_ids + state.completion_ids + suffix_ids(messages)
@@ -97,13 +121,18 @@ async def continue_trajectory(
             # TRL's rule: the results that do not fit are rolled back and the trajectory ends on its call.
             del state.completion[completion_before:]
             del state.prompt[prompt_before:]
+            state.stop_reason = "budget"
             break
         max_tokens = min(limits.max_completion_length - used, limits.max_model_len - len(held))
+        if limits.max_turn_tokens is not None:
+            max_tokens = min(max_tokens, limits.max_turn_tokens)
         if max_tokens > 0:
             turn = await sampler.sample(held, max_tokens, seed, state.tool_rounds + 1)
             sampled_ids, sampled_logprobs = list(turn.ids), list(turn.logprobs)
+            state.last_turn_cut = turn.finish_reason == "length"
         else:
             sampled_ids, sampled_logprobs = [], []
+            state.last_turn_cut = True
         tool_length = len(held) - len(state.prompt_ids) - len(state.completion_ids)
         state.tool_mask += [0] * tool_length + [1] * len(sampled_ids)
         if state.logprobs is not None:
@@ -114,6 +143,7 @@ async def continue_trajectory(
             state.completion.append(message)
         tool_calls = message.get("tool_calls")
         state.tool_rounds += 1
+        state.stop_reason = "done"
     return state
 
 

@@ -144,6 +144,13 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         )
         if self.sync_mode == "lora":
             kwargs.update(enable_lora=True, max_lora_rank=self._lora_sync.max_lora_rank, max_loras=1)
+        if running_on_cpu_only():
+            # vLLM 0.32's CPU sampler cannot seed a request whose prompt is split across prefill chunks ("CPU
+            # Generator does not use offset"), which happens as soon as a round's prompts pass one chunk: per-request
+            # seeds and every multi-turn trajectory's turns are seeded. Whole prompts per step instead; the batch
+            # must then hold the longest prompt. tests/test_compat.py fails once vLLM seeds split prompts on CPU.
+            context = self.max_model_length or getattr(self.model.config, "max_position_embeddings", 4096)
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, int(context)))
         return kwargs
 
     def _quantization(self) -> str | None:

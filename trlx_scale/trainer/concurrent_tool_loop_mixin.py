@@ -27,8 +27,14 @@ from transformers.utils import logging
 from trl.chat_template_utils import parse_response
 
 from ..agents.colocated_turn_sampler import ColocatedTurnSampler
-from ..agents.tool_call_continuation import ContinuationLimits, TrajectoryState, continue_trajectories
+from ..agents.tool_call_continuation import (
+    STOP_REASONS,
+    ContinuationLimits,
+    TrajectoryState,
+    continue_trajectories,
+)
 from ..agents.tool_runner import ToolRunner, ToolStats
+from ..agents.trajectory_tokens import TurnBudget
 from ..options import option
 
 logger = logging.get_logger(__name__)
@@ -61,6 +67,7 @@ class ConcurrentToolLoopMixin:
                 logprobs=None if logprobs is None else list(logprobs[i]),
                 tool_mask=[1] * len(completion_ids[i]),
                 tools=tools,
+                last_turn_cut=bool(completion_ids[i]) and completion_ids[i][-1] not in self.eos_token_ids,
             )
             for i, tools in enumerate(self._tools_of_rollouts(len(prompt_ids)))
         ]
@@ -83,6 +90,7 @@ class ConcurrentToolLoopMixin:
                     max_completion_length=self.max_completion_length,
                     max_model_len=llm.llm_engine.model_config.max_model_len,
                     max_tool_calling_iterations=self.max_tool_calling_iterations,
+                    max_turn_tokens=option(self.args, "max_turn_tokens"),
                 )
                 states = _run_blocking(
                     continue_trajectories(
@@ -94,6 +102,7 @@ class ConcurrentToolLoopMixin:
                         parse=self._parse_turn,
                         limits=limits,
                         stats=stats,
+                        fit_tool_message=self._tool_response_cap(limits),
                     )
                 )
         finally:
@@ -108,6 +117,18 @@ class ConcurrentToolLoopMixin:
             sum(state.tool_failures for state in states),
             [[] for _ in states],  # text-only results (image content is refused by the concurrent loop)
         )
+
+    def _tool_response_cap(self, limits: ContinuationLimits):
+        """``max_tool_response_tokens`` as a function of a tool message (None: no cap)."""
+        if option(self.args, "max_tool_response_tokens") is None:
+            return None
+        budget = TurnBudget(
+            max_completion_length=limits.max_completion_length,
+            max_model_len=limits.max_model_len,
+            max_tool_response_tokens=option(self.args, "max_tool_response_tokens"),
+            tool_response_overflow=option(self.args, "tool_response_overflow"),
+        )
+        return lambda message: budget.fit_tool_message(message, self._tokenizer)
 
     def _lockstep_reason(self, images, multimodal_fields) -> str | None:
         """Why this rollout's tool turns run in TRL's loop, or None for the concurrent one."""
@@ -147,6 +168,10 @@ class ConcurrentToolLoopMixin:
         metrics["agents/tool_rounds_mean"].append(sum(rounds) / max(len(rounds), 1))
         metrics["agents/tool_rounds_max"].append(float(max(rounds, default=0)))
         metrics["agents/later_turns_max_in_flight"].append(float(max_in_flight))
+        metrics["agents/truncated_tool_responses"].append(float(sum(s.truncated_tool_responses for s in states)))
+        for reason in STOP_REASONS:
+            share = sum(state.stop_reason == reason for state in states) / max(len(states), 1)
+            metrics[f"agents/stopped_{reason}_frac"].append(share)
         for name, value in engine_metrics.items():
             metrics[name].append(value)
 

