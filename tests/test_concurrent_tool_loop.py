@@ -259,3 +259,55 @@ def test_multi_turn_losses_are_the_same_in_packed_padded_and_shared_prefix_passe
         assert logs[name][2] == logs["padded"][2]
         assert logs[name][0] == pytest.approx(logs["padded"][0], rel=1e-4, abs=1e-6)
         assert logs[name][1] == pytest.approx(logs["padded"][1], rel=1e-4)
+
+
+def test_a_reasoning_gym_task_runs_through_the_trainer_as_a_tool_environment(
+    tmp_path, default_model_dir, default_tokenizer
+):
+    """Reasoning Gym's basic_arithmetic as TRL's environment_factory: every turn of the embedded model (digits)
+    submits an answer, the library scores it, and the reward of each trajectory is 1 exactly when one of its
+    submissions was answered "correct" (the library's score), else 0."""
+    from transformers import AutoModelForCausalLM
+
+    from trlx_scale.agents.reasoning_gym_environment import ReasoningGymEnvironment, reasoning_gym_dataset
+    from trlx_scale.tasks.tool_chat_template import every_turn_calls
+
+    rows = reasoning_gym_dataset(
+        "basic_arithmetic", size=8, seed=1, min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("+",)
+    )
+    environment = ReasoningGymEnvironment()
+    environment.reset(**rows[0])
+    assert environment.submit("wrong") == "incorrect, try again" and environment.get_reward() == 0.0
+    answer = str(eval(rows[0]["prompt"][0]["content"].removeprefix("Calculate ").rstrip(".")))  # noqa: S307
+    assert environment.submit(answer) == "correct" and environment.get_reward() == 1.0
+
+    tokenizer = with_tool_template(default_tokenizer)
+    tokenizer.response_template = every_turn_calls("submit", "answer")  # each turn starting with a digit submits
+
+    class Recording(_RecordingGRPOTrainer):
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            self.recorded_rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            return self.recorded_rewards
+
+    trainer = Recording(
+        model=AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32),
+        args=small_grpo_config(
+            tmp_path,
+            use_vllm=True,
+            vllm_mode="colocate",
+            max_steps=1,
+            max_completion_length=60,
+            vllm_max_model_length=128,
+            max_tool_calling_iterations=2,
+        ),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        environment_factory=ReasoningGymEnvironment,
+    )
+    trainer.train()
+    _, completions, _, _, calls, _, _ = trainer.recorded_loop
+    assert calls > 0
+    rewards = trainer.recorded_rewards[:, 0].tolist()  # the environment's get_reward, one per trajectory
+    for trajectory, reward in zip(completions, rewards, strict=True):
+        answered = [m["content"] for m in trajectory if m["role"] == "tool"]
+        assert reward == (1.0 if "correct" in answered else 0.0)
