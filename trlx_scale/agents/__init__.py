@@ -9,7 +9,11 @@
 - ``multi_turn_rollout``: trajectories run each at its own pace (no lockstep) against a ``TurnSampler``;
   ``server_turn_sampler`` is the one on vLLM servers (token ids in, sampled ids and log-probs out).
 
-Not wired into the trainers yet (docs/agents.md, "What is not done yet").
+- ``tool_call_continuation``: GRPOTrainer's turns after TRL's first, each trajectory at its own pace (wired by
+  ``trainer/concurrent_tool_loop_mixin.py``; ``agent_fields``: its config fields);
+- ``reasoning_gym_environment``: Reasoning Gym's tasks as TRL's environment contract.
+
+``AsyncGRPOTrainer`` takes no tools yet (docs/agents.md, "What is not done yet").
 """
 
 from .environments import AgentEnvironment, EnvironmentStep, GymEnvironment, ToolEnvironment
