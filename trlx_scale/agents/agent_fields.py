@@ -35,8 +35,9 @@ class AgentFields:
         metadata={
             "help": "Seconds a tool call may take under tool_scheduling='concurrent'; past it the call is cancelled "
             "(a coroutine) or abandoned (a synchronous tool's thread runs on, its result dropped) and the model "
-            "reads a tool error, as for a tool that raised. Counted apart in tools/timeout. Default 300: a safety bound, not a "
-            "speed setting (no step waits on a hung tool past it), above the minutes a sandboxed test run can take."
+            "reads a tool error, as for a tool that raised. Counted apart in tools/timeout. Default 300: a safety "
+            "bound, not a speed setting (no step waits on a hung tool past it), above the minutes a sandboxed test "
+            "run can take."
         },
     )
 
