@@ -202,6 +202,56 @@ class VLLMServerClient:
             "return_token_ids": True,
             **self.sampling.body(),
         }
+        answer = await self._post_completion(url, body, f"group {request.index}")
+        if answer.get("model") != name:
+            raise ServerModelMismatchError(
+                f"group {request.index}: asked {url} for {name!r}, the answer came from {answer.get('model')!r}."
+            )
+        choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+        return SampledGroup(
+            completion_ids=[list(choice["token_ids"]) for choice in choices],
+            logprobs=[list(choice["logprobs"]["token_logprobs"]) for choice in choices],
+            completions=[choice["text"] for choice in choices],
+            version=version,
+            prompt_ids=body["prompt"],
+        )
+
+    async def sample_turn(
+        self, prompt_ids: list[int], max_tokens: int, seed: int, *, version: int, replica: int
+    ) -> tuple[list[int], list[float], str]:
+        """One later turn of a multi-turn trajectory: ``prompt_ids`` are the trajectory's held ids (token-in), sampled
+        by ``version`` on replica ``replica`` (the one that sampled its first turn: its prefix is cached there).
+        Returns the sampled ids with their log-probs (token-out; the end token included: it is trained) and
+        ``"length"`` or ``"stop"``. With full weights, ``version`` must still be the one served: a reload waits for
+        the producer's requests in flight, a trajectory's later turns included."""
+        if self.lora:
+            name = self.model_for(version)
+        elif version != self.full_weights_version:
+            raise RuntimeError(
+                f"a trajectory started on version {version} continues while the servers hold version "
+                f"{self.full_weights_version}: a full-weight reload did not wait for it."
+            )
+        else:
+            name = self.model
+        url = self.base_urls[replica % len(self.base_urls)]
+        body = {
+            "model": name,
+            "prompt": list(prompt_ids),
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "logprobs": 0,
+            "return_token_ids": True,
+            **{key: value for key, value in self.sampling.body().items() if key != "max_tokens"},
+        }
+        answer = await self._post_completion(url, body, "a trajectory's turn")
+        if answer.get("model") != name:
+            raise ServerModelMismatchError(f"asked {url} for {name!r}, the answer came from {answer.get('model')!r}.")
+        choice = answer["choices"][0]
+        finish = "length" if choice.get("finish_reason") == "length" else "stop"
+        return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"]), finish
+
+    async def _post_completion(self, url: str, body: dict[str, Any], what: str) -> dict[str, Any]:
+        """``/v1/completions`` on the producer's event loop, a dropped keep-alive connection retried."""
         if self._async_client is None:  # made on the producer's event loop, which it then belongs to
             self._async_client = httpx.AsyncClient(timeout=self.request_timeout, verify=self._tls)
         for attempt in range(TRANSPORT_RETRIES + 1):
@@ -216,20 +266,8 @@ class VLLMServerClient:
                 if not transient or attempt == TRANSPORT_RETRIES or not self._server_alive():
                     raise self._failure(url, error) from error
                 await asyncio.sleep(0.1 * (attempt + 1))
-        self._check_status(url, response, f"group {request.index}")
-        answer = response.json()
-        if answer.get("model") != name:
-            raise ServerModelMismatchError(
-                f"group {request.index}: asked {url} for {name!r}, the answer came from {answer.get('model')!r}."
-            )
-        choices = sorted(answer["choices"], key=lambda choice: choice["index"])
-        return SampledGroup(
-            completion_ids=[list(choice["token_ids"]) for choice in choices],
-            logprobs=[list(choice["logprobs"]["token_logprobs"]) for choice in choices],
-            completions=[choice["text"] for choice in choices],
-            version=version,
-            prompt_ids=body["prompt"],
-        )
+        self._check_status(url, response, what)
+        return response.json()
 
     def prompt_logprobs(self, token_ids: list[int], version: int) -> list[list[float]]:
         """Each server's log-probs of ``token_ids[1:]`` given what precedes, by ``version``'s weights: the probe

@@ -64,6 +64,7 @@ from .async_checkpoint_window import AsyncCheckpointWindowMixin
 from .async_grpo_config import AsyncGRPOConfig
 from .async_producer_feed import AsyncProducerFeedMixin
 from .async_server_launch import AsyncServerLaunchMixin
+from .async_tool_loop import AsyncToolLoopMixin
 from .grpo_trainer import GRPOTrainer
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
 
 
 class AsyncGRPOTrainer(
+    AsyncToolLoopMixin,
     AsyncServerLaunchMixin,
     AsyncProducerFeedMixin,
     AsyncCheckpointWindowMixin,
@@ -115,16 +117,12 @@ class AsyncGRPOTrainer(
                 f"AsyncGRPOTrainer needs an AsyncGRPOConfig (got {type(args).__name__}): "
                 "from trlx_scale import AsyncGRPOConfig."
             )
-        for name, value in (
-            ("tools", tools),
-            ("rollout_func", rollout_func),
-            ("environment_factory", environment_factory),
-        ):
-            if value is not None:
-                raise ValueError(
-                    f"AsyncGRPOTrainer does not take {name} yet: the producer samples single-turn completions on the "
-                    "server. Use GRPOTrainer for tool calling and custom rollouts."
-                )
+        if rollout_func is not None:
+            raise ValueError(
+                "AsyncGRPOTrainer does not take rollout_func: the producer samples on the servers, ahead of the "
+                "trainer. Use tools or an environment_factory (trajectories run by the producer), or GRPOTrainer "
+                "for a custom rollout."
+            )
         functions = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         for function in functions:
             if not callable(function) or isinstance(function, torch.nn.Module):
@@ -149,10 +147,13 @@ class AsyncGRPOTrainer(
             optimizers=optimizers,
             quantization_config=quantization_config,
             peft_config=peft_config,
+            tools=tools,
+            environment_factory=environment_factory,
         )
         self.args.use_vllm = True
         self.use_vllm = True
         self._check_vllm_only_options()
+        self._check_async_tools()
         # TRL's list, with GRPOTrainer's guard around each synchronous function (reward_errors, non-finite rewards).
         self._async_reward_funcs = list(self.reward_funcs)
         self._last_loaded_step = -1
@@ -235,7 +236,7 @@ class AsyncGRPOTrainer(
             raise
         producer = RolloutProducer(
             prompt_for=self._producer_prompt,
-            sampler=client,
+            sampler=self._tool_group_sampler(client) if self.tools else client,
             score=self._score_group,
             schedule=self._schedule,
             num_generations=self.num_generations,
@@ -346,4 +347,5 @@ class AsyncGRPOTrainer(
         if self.vllm_generation is not None:
             self.vllm_generation.close()
             self._reward_scorer.close()
+            self._close_tools()
             self.vllm_generation = None  # a later train() builds a new one

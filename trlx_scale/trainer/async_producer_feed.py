@@ -27,7 +27,7 @@ class AsyncProducerFeedMixin:
             row = self._prompt_stream.group(self._next_prefetch)
             entries[self._next_prefetch] = {
                 "row": row,
-                "prompt_ids": list(self._tokenize_prompts([row["prompt"]])[0][0]),
+                "prompt_ids": self._group_prompt_ids(row),
                 # What TRL passes reward functions as `trainer_state`, fixed when the group is admitted: the producer
                 # scores while the trainer's own state moves on.
                 "trainer_state": copy.copy(self.state),
@@ -35,6 +35,18 @@ class AsyncProducerFeedMixin:
             self._next_prefetch += 1
         with self._prompt_lock:
             self._prompt_cache.update(entries)
+
+    def _group_prompt_ids(self, row: dict[str, Any]) -> list[int]:
+        """The group's prompt as TRL tokenizes it; with environments, rendered with the tools of the row's own (TRL
+        reads them from the batch being trained, which this row is not part of yet)."""
+        if self.environment_factories is None:
+            return list(self._tokenize_prompts([row["prompt"]])[0][0])
+        batch = getattr(self, "_batch_environments", None)
+        self._batch_environments = [row.get("environment") if self._multi_environment else None]
+        try:
+            return list(self._tokenize_prompts([row["prompt"]])[0][0])
+        finally:
+            self._batch_environments = batch
 
     def _producer_prompt(self, index: int) -> dict[str, Any]:
         with self._prompt_lock:
@@ -67,20 +79,28 @@ class AsyncProducerFeedMixin:
         self._rollout_policy_versions.tag(sampled)
         row = request.prompt["row"]
         size = len(sampled.completion_ids)
-        texts = self._producer_tokenizer.batch_decode(sampled.completion_ids, skip_special_tokens=True)
-        if is_conversational({"prompt": row["prompt"]}):
-            completions = [[{"role": "assistant", "content": text}] for text in texts]
-        else:
-            completions = texts
         columns = {key: [value] * size for key, value in row.items() if key not in ("prompt", "completion")}
+        if self.tools:  # whole conversations after the prompt (AsyncToolLoopMixin)
+            completions, environments = self._tool_group_reward_inputs(sampled)
+            columns.update(environments)
+        else:
+            texts = self._producer_tokenizer.batch_decode(sampled.completion_ids, skip_special_tokens=True)
+            if is_conversational({"prompt": row["prompt"]}):
+                completions = [[{"role": "assistant", "content": text}] for text in texts]
+            else:
+                completions = texts
         log = GroupRewardLog(size)  # replayed at the step that trains the group (rollout/reward_logs.py)
         sampled.extras[REWARD_LOG_KEY] = log
-        return await self._reward_scorer.score(
-            [row["prompt"]] * size,
-            completions,
-            sampled.completion_ids,
-            trainer_state=request.prompt["trainer_state"],
-            log_metric=log.log_metric,
-            log_extra=log.log_extra,
-            **columns,
-        )
+        try:
+            return await self._reward_scorer.score(
+                [row["prompt"]] * size,
+                completions,
+                sampled.completion_ids,
+                trainer_state=request.prompt["trainer_state"],
+                log_metric=log.log_metric,
+                log_extra=log.log_extra,
+                **columns,
+            )
+        finally:
+            if self.tools:
+                self._tool_group_scored(sampled)

@@ -159,7 +159,11 @@ class ConcurrentToolLoopMixin:
         key = f"{self.args.seed}|{self.accelerator.process_index}|{self.state.global_step}|{mode}|{index}"
         return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
 
-    def _record_tool_loop(self, stats: ToolStats, states, max_in_flight: int, engine_metrics: dict, mode: str) -> None:
+    def _record_tool_loop(
+        self, stats: ToolStats, states, max_in_flight: int | None, engine_metrics: dict, mode: str
+    ) -> None:
+        """The ``tools/*`` and ``agents/*`` metrics of a rollout's trajectories (``states``: anything with their
+        ``tool_rounds``, ``truncated_tool_responses`` and ``stop_reason``); ``max_in_flight`` None: not measured."""
         metrics = self._metrics[mode]
         for name, value in stats.as_metrics().items():
             if name != "tools/failure_frequency":  # TRL logs its own, from the counts this loop returns
@@ -167,7 +171,8 @@ class ConcurrentToolLoopMixin:
         rounds = [state.tool_rounds for state in states]
         metrics["agents/tool_rounds_mean"].append(sum(rounds) / max(len(rounds), 1))
         metrics["agents/tool_rounds_max"].append(float(max(rounds, default=0)))
-        metrics["agents/later_turns_max_in_flight"].append(float(max_in_flight))
+        if max_in_flight is not None:
+            metrics["agents/later_turns_max_in_flight"].append(float(max_in_flight))
         metrics["agents/truncated_tool_responses"].append(float(sum(s.truncated_tool_responses for s in states)))
         for reason in STOP_REASONS:
             share = sum(state.stop_reason == reason for state in states) / max(len(states), 1)

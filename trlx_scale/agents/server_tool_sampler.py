@@ -1,0 +1,178 @@
+"""Multi-turn groups on the vLLM servers, for ``AsyncGRPOTrainer``'s producer: a ``GroupSampler`` whose completions
+are whole tool-calling trajectories.
+
+A group (one prompt, ``n`` trajectories), in numbered steps, all on the producer's event loop:
+
+1. Each trajectory gets what it may call (``TrajectoryTools``: standalone tools, or the methods of an environment of
+   its own, reset for the group's row off the event loop's thread; ``tools_for``).
+2. The first turn of the ``n`` trajectories is one request (``VLLMServerClient.sample``: the prompt sent once, the
+   group's seed, the version the schedule admitted), as for single-turn groups.
+3. Every trajectory then continues at its own pace (``continue_trajectories``, the synchronous trainer's concurrent
+   loop): its tool calls run concurrently off the loop's thread under ``tool_timeout``, the tool messages are
+   rendered alone and appended to the held ids (token-in/token-out), and its next turn goes to the same replica as
+   soon as its tools returned (``VLLMServerClient.sample_turn``: the replica's prefix cache holds the trajectory's
+   context), while other trajectories of this group and of the other groups in flight generate or wait on theirs.
+
+A weight update landing mid-trajectory: every turn of a trajectory is sampled by the version that sampled its first
+turn. With adapters, each turn's request names that version's adapter (kept loaded while a group in flight can use
+it); with full weights, a reload waits for the producer's requests in flight (``hold_requests``), a group's later
+turns included. So the staleness the schedule admitted a group at is the staleness of every token of it, the
+behaviour log-probs of each token are those of the weights that sampled it, and no per-token version is needed.
+The price, with full weights only: a reload also waits for tools in flight.
+
+The group returned carries the whole trajectories as its completions (what trains), their messages (what the reward
+functions read), and in ``extras`` the first turns (what TRL's ``_generate`` parses) and the tool masks and counts
+(what TRL's ``_tool_call_loop`` returns): ``AsyncToolLoopMixin`` hands them to TRL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+from ..rollout.async_producer import GroupRequest, SampledGroup
+from .multi_turn_rollout import SampledTurn
+from .server_turn_sampler import turn_seed
+from .tool_call_continuation import ContinuationLimits, TrajectoryState, continue_trajectories
+from .tool_runner import ToolRunner, ToolStats
+
+# Keys of ``SampledGroup.extras`` a tool group carries.
+FIRST_TURN_IDS = "first_turn_ids"
+FIRST_TURN_LOGPROBS = "first_turn_logprobs"
+TOOL_MASKS = "tool_masks"
+TRAJECTORY_SUMMARIES = "trajectory_summaries"
+TOOL_STATS = "tool_stats"
+TRAJECTORY_TOOLS = "trajectory_tools"  # dropped once the group is scored (environments are not checkpointed)
+
+
+@dataclasses.dataclass
+class TrajectoryTools:
+    """What one trajectory may call: its tool functions by name, the tools its prompt was rendered with (what
+    ``parse_response`` reads tool calls against), and its environment (None for standalone tools) with the name it
+    was made under (``environment_factory``'s key: the pool it goes back to)."""
+
+    functions: dict[str, Callable]
+    schema: list
+    environment: Any = None
+    environment_name: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectorySummary:
+    """What the trainer's metrics need of a finished trajectory (picklable: the checkpoint window keeps groups)."""
+
+    tool_calls: int
+    tool_failures: int
+    tool_rounds: int
+    truncated_tool_responses: int
+    stop_reason: str
+
+
+class _ReplicaTurns:
+    """A ``TurnSampler`` on one replica and one version: the group's later turns."""
+
+    def __init__(self, client: Any, version: int, replica: int):
+        self.client, self.version, self.replica = client, version, replica
+
+    async def sample(self, prompt_ids: list[int], max_tokens: int, seed: int, turn: int) -> SampledTurn:
+        ids, logprobs, finish = await self.client.sample_turn(
+            prompt_ids, max_tokens, turn_seed(seed, turn), version=self.version, replica=self.replica
+        )
+        return SampledTurn(ids=ids, logprobs=logprobs, finish_reason=finish)
+
+
+def trajectory_seed(group_seed: int, position: int) -> int:
+    """The seed of trajectory ``position`` of a group sampled with ``group_seed``: its later turns are a function of
+    the group's seed, not of timing."""
+    digest = hashlib.blake2b(f"{group_seed}|trajectory|{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+class ServerToolGroupSampler:
+    """See the module docstring. ``parse(ids, held_ids, schema)`` reads a turn's assistant message (TRL's
+    ``parse_response``), ``suffix_ids(messages)`` renders tool messages alone (TRL's ``_get_tool_suffix_ids``), both
+    on the producer's own tokenizer; ``fit_tool_message`` caps a tool result (None: no cap)."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        tools_for: Callable[[GroupRequest], Awaitable[Sequence[TrajectoryTools]]],
+        parse: Callable[[list[int], list[int], Any], dict[str, Any]],
+        suffix_ids: Callable[[list[dict[str, Any]]], list[int]],
+        limits: ContinuationLimits,
+        eos_token_ids: Sequence[int],
+        tool_timeout: float,
+        executor: Executor,
+        fit_tool_message: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] | None = None,
+    ):
+        self.client = client
+        self.tools_for = tools_for
+        self.parse = parse
+        self.suffix_ids = suffix_ids
+        self.limits = limits
+        self.eos_token_ids = set(eos_token_ids)
+        self.tool_timeout = tool_timeout
+        self.executor = executor
+        self.fit_tool_message = fit_tool_message
+
+    async def sample(self, request: GroupRequest) -> SampledGroup:
+        tools = list(await self.tools_for(request))
+        if len(tools) != request.num_generations:
+            raise ValueError(f"tools_for gave {len(tools)} tool sets for a group of {request.num_generations}.")
+        first = await self.client.sample(request)
+        prompt_ids = list(first.prompt_ids)
+        states = []
+        for ids, logprobs, own in zip(first.completion_ids, first.logprobs, tools, strict=True):
+            message = self.parse(list(ids), prompt_ids, own.schema)
+            states.append(
+                TrajectoryState(
+                    prompt=list(request.prompt["row"]["prompt"]),
+                    prompt_ids=prompt_ids,
+                    completion_ids=list(ids),
+                    completion=[message],
+                    logprobs=list(logprobs),
+                    tool_mask=[1] * len(ids),
+                    tools=own.schema,
+                    last_turn_cut=bool(ids) and ids[-1] not in self.eos_token_ids,
+                )
+            )
+        stats = ToolStats()
+        states = await continue_trajectories(
+            states,
+            [ToolRunner(own.functions, timeout=self.tool_timeout, executor=self.executor) for own in tools],
+            [trajectory_seed(request.seed, position) for position in range(len(states))],
+            sampler=_ReplicaTurns(self.client, first.version, request.index),
+            suffix_ids=self.suffix_ids,
+            parse=self.parse,
+            limits=self.limits,
+            stats=stats,
+            fit_tool_message=self.fit_tool_message,
+        )
+        return SampledGroup(
+            completion_ids=[state.completion_ids for state in states],
+            logprobs=[state.logprobs for state in states],
+            version=first.version,
+            completions=[state.completion for state in states],
+            prompt_ids=prompt_ids,
+            extras={
+                FIRST_TURN_IDS: [list(ids) for ids in first.completion_ids],
+                FIRST_TURN_LOGPROBS: [list(values) for values in first.logprobs],
+                TOOL_MASKS: [state.tool_mask for state in states],
+                TOOL_STATS: stats,
+                TRAJECTORY_SUMMARIES: [
+                    TrajectorySummary(
+                        tool_calls=state.tool_calls,
+                        tool_failures=state.tool_failures,
+                        tool_rounds=state.tool_rounds,
+                        truncated_tool_responses=state.truncated_tool_responses,
+                        stop_reason=state.stop_reason,
+                    )
+                    for state in states
+                ],
+                TRAJECTORY_TOOLS: tools,
+            },
+        )

@@ -1,0 +1,224 @@
+"""``AsyncToolLoopMixin``: tools and environments under ``AsyncGRPOTrainer``, sampled by the producer on the servers.
+
+TRL's contracts stay the user's: ``tools=[fn]`` and ``environment_factory`` (``reset(**row)``, public methods become
+tools, ``get_reward`` a reward source, a dict routing rows by their ``environment`` column) are what
+``GRPOTrainer`` takes. What moves is where the trajectories run: the producer samples each group's trajectories on
+the servers ahead of the trainer (``agents.server_tool_sampler``: every trajectory at its own pace, its tools off the
+event loop's thread under ``tool_timeout``), each with an environment of its own drawn from the producer's pool and
+reset there, off the trainer's thread. Reward functions get the whole conversation and the producer's environments,
+as TRL gives them the trainer's.
+
+The trainer's side runs TRL's ``_generate`` as it is: the first turns are what its call for completions returns
+(TRL parses them), and its ``_tool_call_loop`` returns the producer's finished trajectories (ids, ``tool_mask``,
+log-probs, messages, counts) instead of running tools, so the loss, its normaliser and TRL's metrics see what the
+synchronous trainer's loop would hand them. TRL still resets its own environment instances on the trainer's thread
+at each step (its ``_generate_and_score_completions``; they then go unused): the producer's were reset first.
+
+Not here (refused by name): ``rollout_func``, evaluation with tools, observations returned by ``reset`` (the prompt
+of a group is sampled once for its ``n`` trajectories, tokenized before any environment is drawn: put the task in
+the prompt and return None, as TRL's own examples do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from trl.chat_template_utils import parse_response
+
+from ..agents.server_tool_sampler import (
+    FIRST_TURN_IDS,
+    FIRST_TURN_LOGPROBS,
+    TOOL_MASKS,
+    TOOL_STATS,
+    TRAJECTORY_SUMMARIES,
+    TRAJECTORY_TOOLS,
+    ServerToolGroupSampler,
+    TrajectoryTools,
+)
+from ..agents.tool_call_continuation import ContinuationLimits
+from ..agents.tool_runner import ToolStats, bounded_call
+from ..agents.trajectory_tokens import TurnBudget
+from ..compat.trl_tool_suffix import tool_suffix_renderer
+from ..options import option
+from ..rollout.async_producer import GroupRequest, SampledGroup
+from .concurrent_tool_loop_mixin import MAX_TOOL_THREADS
+
+
+class AsyncToolLoopMixin:
+    """Part of ``AsyncGRPOTrainer`` (see the module docstring); needs ``ConcurrentToolLoopMixin``'s metrics."""
+
+    def _check_async_tools(self) -> None:
+        """At construction: what this trainer cannot do with tools, refused by name."""
+        if not self.tools:
+            return
+        if self.args.eval_strategy != "no":
+            raise ValueError(
+                "AsyncGRPOTrainer with tools or an environment_factory does not evaluate yet: set eval_strategy='no' "
+                "(evaluate with GRPOTrainer on the saved model), or train without tools."
+            )
+        if option(self.args, "tool_scheduling") == "lockstep":
+            raise ValueError(
+                "tool_scheduling='lockstep' is GRPOTrainer's (TRL's loop); AsyncGRPOTrainer runs every trajectory at "
+                "its own pace on the servers. Leave tool_scheduling at 'concurrent'."
+            )
+        self._environment_pools: dict[Any, list[Any]] = {}
+        self._environment_lock = threading.Lock()
+        self._tool_executor: ThreadPoolExecutor | None = None
+
+    def _tool_group_sampler(self, client: Any) -> ServerToolGroupSampler:
+        """The producer's sampler of whole trajectories (``agents.server_tool_sampler``)."""
+        tokenizer = self._producer_tokenizer  # the producer's own copy: tokenizers are not thread-safe
+        self._tool_executor = ThreadPoolExecutor(max_workers=MAX_TOOL_THREADS, thread_name_prefix="trlx-scale-tool")
+        context = min(entry["max_model_len"] for url in client.base_urls for entry in _base_models(client, url))
+        limits = ContinuationLimits(
+            max_completion_length=self.max_completion_length,
+            max_model_len=context,
+            max_tool_calling_iterations=self.max_tool_calling_iterations,
+            max_turn_tokens=option(self.args, "max_turn_tokens"),
+        )
+        fit = None
+        if option(self.args, "max_tool_response_tokens") is not None:
+            budget = TurnBudget(
+                max_completion_length=limits.max_completion_length,
+                max_model_len=limits.max_model_len,
+                max_tool_response_tokens=option(self.args, "max_tool_response_tokens"),
+                tool_response_overflow=option(self.args, "tool_response_overflow"),
+            )
+
+            def fit(message):
+                return budget.fit_tool_message(message, tokenizer)
+
+        return ServerToolGroupSampler(
+            client,
+            tools_for=self._trajectory_tools,
+            parse=lambda ids, held, schema: parse_response(tokenizer, ids, prefix=held, tools=schema),
+            suffix_ids=tool_suffix_renderer(self, tokenizer),
+            limits=limits,
+            eos_token_ids=self.eos_token_ids,
+            tool_timeout=option(self.args, "tool_timeout"),
+            executor=self._tool_executor,
+            fit_tool_message=fit,
+        )
+
+    # ---------------------------------------------------------------- the producer's thread
+    async def _trajectory_tools(self, request: GroupRequest) -> list[TrajectoryTools]:
+        """Each trajectory's tools: the standalone ones, plus the methods of an environment of its own, drawn from the
+        producer's pool and reset for the group's row off the event loop's thread (``tool_timeout`` bounds it)."""
+        row = request.prompt["row"]
+        count = request.num_generations
+        if self.environment_factories is None:
+            functions = {tool.__name__: tool for tool in self._standalone_tools}
+            return [TrajectoryTools(functions, self.tools) for _ in range(count)]
+        name = row.get("environment") if self._multi_environment else None
+        if name not in self.environment_factories:
+            raise ValueError(
+                f"Example has `environment={name!r}`, which is not among the environments passed to "
+                f"`environment_factory`. Expected one of: {list(self.environment_factories)}."
+            )
+        reset_kwargs = {k: v for k, v in row.items() if k != "environment"} if self._multi_environment else row
+        environments = [self._acquire_environment(name) for _ in range(count)]
+        owned = [
+            TrajectoryTools(self._environment_functions(env), self._env_tools[name], env, name) for env in environments
+        ]
+        try:
+            observations = await asyncio.gather(
+                *(
+                    bounded_call(env.reset, self._tool_executor, option(self.args, "tool_timeout"), **reset_kwargs)
+                    for env in environments
+                )
+            )
+        except BaseException:
+            self._release_environments(owned)
+            raise
+        if any(observation is not None for observation in observations):
+            self._release_environments(owned)
+            raise ValueError(
+                f"{type(environments[0]).__name__}.reset returned an observation: AsyncGRPOTrainer samples a group's "
+                "prompt once for its trajectories, before any environment is drawn. Put the task in the dataset's "
+                "prompt and return None from reset, or train with GRPOTrainer."
+            )
+        return owned
+
+    def _environment_functions(self, environment: Any) -> dict[str, Any]:
+        """TRL's rule: the standalone tools and the environment's public methods but ``reset`` and ``get_reward``."""
+        methods = [
+            getattr(environment, member)
+            for member, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+            if member not in ("reset", "get_reward") and not member.startswith("_")
+        ]
+        return {tool.__name__: tool for tool in [*self._standalone_tools, *methods]}
+
+    def _acquire_environment(self, name: Any) -> Any:
+        with self._environment_lock:
+            pool = self._environment_pools.setdefault(name, [])
+            if pool:
+                return pool.pop()
+        return self.environment_factories[name]()  # "construct once, reset often": the pool grows to what is in flight
+
+    def _release_environments(self, owned: Sequence[TrajectoryTools]) -> None:
+        with self._environment_lock:
+            for tools in owned:
+                if tools.environment is not None:
+                    self._environment_pools.setdefault(tools.environment_name, []).append(tools.environment)
+
+    def _tool_group_reward_inputs(self, sampled: SampledGroup) -> tuple[list, dict[str, Any]]:
+        """What a tool group's reward functions get beside TRL's columns: the conversations after the prompt, and the
+        producer's environments when there are any (TRL's ``environments`` argument)."""
+        owned = sampled.extras[TRAJECTORY_TOOLS]
+        extra = {"environments": [tools.environment for tools in owned]} if self.environment_factories else {}
+        return list(sampled.completions), extra
+
+    def _tool_group_scored(self, sampled: SampledGroup) -> None:
+        """After scoring: the environments go back to the pool and out of the group (a checkpoint keeps groups)."""
+        self._release_environments(sampled.extras.pop(TRAJECTORY_TOOLS, []))
+
+    # ---------------------------------------------------------------- the trainer's thread: TRL's hooks
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's first turn: the producer's first turns (TRL parses them); the rest is in ``_tool_call_loop``."""
+        result = super()._generate_single_turn(
+            prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
+        )
+        if not self.tools or not self.model.training:
+            return result
+        extras = [group.sampled.extras for group in self.vllm_generation.last_groups]
+        return (
+            [ids for extra in extras for ids in extra[FIRST_TURN_IDS]],
+            [values for extra in extras for values in extra[FIRST_TURN_LOGPROBS]],
+        )
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        """The producer's finished trajectories, in TRL's loop's return shape."""
+        if not self.model.training:
+            raise RuntimeError("AsyncGRPOTrainer does not evaluate with tools (refused at construction).")
+        groups = [group.sampled for group in self.vllm_generation.last_groups]
+        first = [ids for group in groups for ids in group.extras[FIRST_TURN_IDS]]
+        if [list(ids) for ids in completion_ids] != first:
+            raise RuntimeError("the first turns TRL parsed are not the producer's (the rollout's order changed).")
+        stats = ToolStats()
+        for group in groups:
+            stats.merge(group.extras[TOOL_STATS])
+        summaries = [summary for group in groups for summary in group.extras[TRAJECTORY_SUMMARIES]]
+        self._record_tool_loop(stats, summaries, None, {}, "train")
+        return (
+            [mask for group in groups for mask in group.extras[TOOL_MASKS]],
+            [list(messages) for group in groups for messages in group.completions],
+            [ids for group in groups for ids in group.completion_ids],
+            None if logprobs is None else [values for group in groups for values in group.logprobs],
+            sum(summary.tool_calls for summary in summaries),
+            sum(summary.tool_failures for summary in summaries),
+            [[] for _ in summaries],
+        )
+
+    def _close_tools(self) -> None:
+        if getattr(self, "_tool_executor", None) is not None:
+            self._tool_executor.shutdown(wait=False, cancel_futures=True)  # a timed-out tool's thread runs on
+            self._tool_executor = None
+
+
+def _base_models(client: Any, url: str) -> list[dict[str, Any]]:
+    return [entry for entry in client.served_models(url) if entry.get("parent") is None]
