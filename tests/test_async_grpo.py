@@ -824,3 +824,202 @@ def test_a_preempted_save_does_not_wait_past_its_grace_period(server, tmp_path):
     resumed = run_result(_interrupted_async(tmp_path / "run", server, "--resume", processes=2))
     assert resumed["trained_steps"] == list(range(finished + 1, 6))
     assert resumed["staleness"][str(finished + 1)] == 0.0
+
+
+# ---------------------------------------------------------------- tools and environments (issue #39)
+class _Lookup:
+    """A TRL ``environment_factory`` environment, unchanged from what GRPOTrainer takes: ``reset(**row)``, one tool,
+    ``get_reward``. Its first call in the run hangs past ``tool_timeout`` (the model reads a tool error); each instance
+    records the thread its ``reset`` ran on."""
+
+    instances: list = []
+    hung = threading.Event()
+
+    def __init__(self):
+        _Lookup.instances.append(self)
+        self.reset_threads: list[str] = []
+
+    def reset(self, **row):
+        self.reset_threads.append(threading.current_thread().name)
+        self.calls = 0
+
+    def lookup(self, q: str) -> str:
+        """Look a query up.
+
+        Args:
+            q: The query.
+        """
+        self.calls += 1
+        if not _Lookup.hung.is_set():
+            _Lookup.hung.set()
+            time.sleep(4)  # past tool_timeout: abandoned, its result dropped
+        return "r" * (1 + len(q) % 5)
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+class _RecordingAsyncTrainer(AsyncGRPOTrainer):
+    """Keeps what TRL's tool loop and reward call returned (the trainer's own code runs unchanged)."""
+
+    def _tool_call_loop(self, *args):
+        self.loops = getattr(self, "loops", []) + [super()._tool_call_loop(*args)]
+        return self.loops[-1]
+
+    def _calculate_rewards(self, *args):
+        self.rewards = getattr(self, "rewards", []) + [super()._calculate_rewards(*args)]
+        return self.rewards[-1]
+
+
+def _tool_tokenizer(default_tokenizer, tool: str, argument: str):
+    from trlx_scale.tasks.tool_chat_template import every_turn_calls, with_tool_template
+
+    tokenizer = with_tool_template(default_tokenizer)
+    tokenizer.response_template = every_turn_calls(tool, argument)  # each turn starting with a digit is a call
+    return tokenizer
+
+
+def test_tool_trajectories_run_in_the_producer_token_in_token_out(
+    server, default_model_dir, default_tokenizer, tmp_path
+):
+    """AsyncGRPOTrainer with a TRL environment_factory environment (agents/server_tool_sampler.py): the producer
+    resets each trajectory's environment off the trainer's thread and runs its tool turns on the server; what TRL's
+    loop returns is token-in/token-out (the first turn as sampled, then each tool result rendered alone by TRL's own
+    _get_tool_suffix_ids with mask 0, each later turn mask 1); at max_staleness=0 the server's log-probs of every
+    sampled token are the trainer's; a hung tool is a tool error; the environment's get_reward is each trajectory's
+    reward (its number of calls)."""
+    from datasets import Dataset
+
+    _Lookup.instances.clear()
+    _Lookup.hung.clear()
+    trainer = _RecordingAsyncTrainer(
+        model=default_model_dir,
+        args=small_grpo_config(
+            tmp_path / "tools",
+            AsyncGRPOConfig,
+            vllm_server_base_url=server.url,
+            max_steps=2,
+            max_staleness=0,
+            max_completion_length=60,
+            max_tool_calling_iterations=3,
+            tool_timeout=1.0,
+        ),
+        train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i + 3}"}]} for i in range(8)]),
+        processing_class=_tool_tokenizer(default_tokenizer, "lookup", "q"),
+        environment_factory=_Lookup,
+    )
+    trainer.train()
+    assert sum(logged(trainer, "tools/timeout")) == 1.0
+    producer_made = [env for env in _Lookup.instances if env.reset_threads and "MainThread" not in env.reset_threads]
+    assert producer_made and len(producer_made) <= 8  # the pool: at most the trajectories in flight at once
+    rounds = 0
+    for (masks, completions, completion_ids, logprobs, calls, _, _), rewards in zip(
+        trainer.loops, trainer.rewards, strict=True
+    ):
+        # A call whose result would overflow max_completion_length is rolled back (TRL's rule) but was made.
+        assert calls == sum(rewards[:, 0].tolist()) >= sum(m["role"] == "tool" for c in completions for m in c)
+        for mask, messages, ids, values, reward in zip(
+            masks, completions, completion_ids, logprobs, rewards[:, 0].tolist(), strict=True
+        ):
+            assert len(mask) == len(ids) == len(values)
+            tool_messages = [m for m in messages if m["role"] == "tool"]
+            assert reward >= float(len(tool_messages))
+            # The masked runs are exactly the rendered tool results, in order; everything else was sampled.
+            expected, position = [], 0
+            runs = [i for i, bit in enumerate(mask) if bit == 0]
+            for message in tool_messages:
+                suffix = trainer._get_tool_suffix_ids([message])
+                start = runs[position]
+                assert ids[start : start + len(suffix)] == suffix, message
+                assert all(values[i] == 0.0 for i in range(start, start + len(suffix)))
+                expected += list(range(start, start + len(suffix)))
+                position += len(suffix)
+            assert runs == expected
+            rounds += len(tool_messages)
+    assert rounds > len(trainer.loops)  # later turns happened
+    assert max(logged(trainer, "sampling/sampling_logp_difference/max")) < 1e-3
+    assert max(logged(trainer, "async/sampler_trainer_kl")) < 1e-3  # tool tokens are not behaviour samples
+
+
+def test_a_reasoning_gym_task_runs_through_the_async_trainer(server, default_model_dir, default_tokenizer, tmp_path):
+    """Reasoning Gym's basic_arithmetic as TRL's environment_factory under AsyncGRPOTrainer (max_staleness=1): every
+    turn of the embedded model (digits) submits an answer, the library scores it, and each trajectory's reward is 1
+    exactly when one of its submissions was answered "correct"."""
+    from datasets import Dataset
+
+    from trlx_scale.agents.reasoning_gym_environment import ReasoningGymEnvironment, reasoning_gym_dataset
+
+    rows = reasoning_gym_dataset(
+        "basic_arithmetic", size=16, seed=1, min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("+",)
+    )
+    trainer = _RecordingAsyncTrainer(
+        model=default_model_dir,
+        args=small_grpo_config(
+            tmp_path / "gym",
+            AsyncGRPOConfig,
+            vllm_server_base_url=server.url,
+            max_steps=2,
+            max_staleness=1,
+            max_completion_length=60,
+            max_tool_calling_iterations=2,
+        ),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=_tool_tokenizer(default_tokenizer, "submit", "answer"),
+        environment_factory=ReasoningGymEnvironment,
+    )
+    trainer.train()
+    assert sum(loop[4] for loop in trainer.loops) > 0
+    for loop, rewards in zip(trainer.loops, trainer.rewards, strict=True):
+        for trajectory, reward in zip(loop[1], rewards[:, 0].tolist(), strict=True):
+            answered = [m["content"] for m in trajectory if m["role"] == "tool"]
+            assert reward == (1.0 if "correct" in answered else 0.0)
+
+
+class _Observing:
+    def reset(self, **row):
+        return "an observation"
+
+    def get_reward(self) -> float:
+        return 0.0
+
+    def lookup(self, q: str) -> str:
+        """Look a query up.
+
+        Args:
+            q: The query.
+        """
+        return q
+
+
+def test_what_the_async_trainer_cannot_do_with_tools_is_refused_by_name(
+    server, default_model_dir, default_tokenizer, tmp_path
+):
+    """Evaluation with tools and rollout_func are refused at construction; an environment whose reset returns an
+    observation (a group's prompt is sampled once, before environments are drawn) stops the run with the fix."""
+    from datasets import Dataset
+
+    from trlx_scale.rollout.async_producer import RolloutProducerError
+
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+1"}]} for i in range(8)])
+    tokenizer = _tool_tokenizer(default_tokenizer, "lookup", "q")
+
+    def build(name, environment_factory=_Lookup, **overrides):
+        extra = {"rollout_func": overrides.pop("rollout_func")} if "rollout_func" in overrides else {}
+        args = small_grpo_config(tmp_path / name, AsyncGRPOConfig, vllm_server_base_url=server.url, **overrides)
+        return AsyncGRPOTrainer(
+            model=default_model_dir,
+            args=args,
+            train_dataset=dataset,
+            eval_dataset=dataset if args.eval_strategy != "no" else None,
+            processing_class=tokenizer,
+            environment_factory=environment_factory,
+            **extra,
+        )
+
+    with pytest.raises(ValueError, match="does not evaluate yet: set eval_strategy='no'"):
+        build("eval", eval_strategy="steps", eval_steps=1)
+    with pytest.raises(ValueError, match="does not take rollout_func"):
+        build("rollout", rollout_func=lambda prompts, trainer: {})
+    trainer = build("observing", environment_factory=_Observing, max_steps=1)
+    with pytest.raises(RolloutProducerError, match="reset returned an observation"):
+        trainer.train()

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import vllm
+from datasets import Dataset
 from packaging.version import Version
 from vllm import SamplingParams
 
@@ -257,3 +258,42 @@ def test_seeded_requests_need_whole_prefills_on_vllm_cpu(prefill):
     assert lines, result.stderr[-3000:]
     expected = "RESULT CPU Generator does not use offset" if prefill == "chunked" else "RESULT OK"
     assert lines[-1] == expected
+
+
+def test_tool_messages_render_off_the_trainer_as_trls_own_method_renders_them(default_model_dir, default_tokenizer):
+    """compat/trl_tool_suffix.py calls TRL's _get_tool_suffix_ids with a stand-in holding a copy of the tokenizer:
+    the ids must be the trainer's own method's, and the stand-in must carry every attribute the method reads (a TRL
+    that reads another fails here with an AttributeError naming it)."""
+    import copy
+
+    from trlx_scale import GRPOTrainer
+    from trlx_scale.compat import trl_tool_suffix
+    from trlx_scale.tasks.tool_chat_template import with_tool_template
+
+    from .helpers.trainers import small_grpo_config
+
+    assert trl_tool_suffix.supported()
+
+    def lookup(q: str) -> str:
+        """Look a query up.
+
+        Args:
+            q: The query.
+        """
+        return q
+
+    tokenizer = with_tool_template(default_tokenizer)
+    trainer = GRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=small_grpo_config("/tmp/trlx_scale_compat_suffix", max_steps=1),
+        train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1"}]}] * 8),
+        processing_class=tokenizer,
+        tools=[lookup],
+    )
+    render = trl_tool_suffix.tool_suffix_renderer(trainer, copy.deepcopy(tokenizer))
+    for messages in (
+        [{"role": "tool", "name": "lookup", "content": "12"}],
+        [{"role": "tool", "name": "lookup", "content": "a"}, {"role": "tool", "name": "lookup", "content": "bb"}],
+    ):
+        assert render(messages) == trainer._get_tool_suffix_ids(messages) and render(messages)

@@ -11,6 +11,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 import trlx_scale
 from trlx_scale import AsyncGRPOTrainer, DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
+from trlx_scale.trainer.async_tool_loop import AsyncToolLoopMixin
 
 # TRL's methods each trlx_scale class overrides (its own methods are not pinned: renaming them is trlx_scale's
 # business). The test fails when one disappears or changes signature upstream, and when a class starts to override
@@ -28,6 +29,7 @@ TRL_OVERRIDES = {
     PPOTrainer: {"_compute_loss", "_load_from_checkpoint", "create_optimizer"},
     ColocatedVLLMGeneration: {"_init_vllm", "generate", "sync_weights"},
     AsyncGRPOTrainer: {"_calculate_rewards", "_generate_and_score_completions", "evaluate", "train"},
+    AsyncToolLoopMixin: {"_generate_single_turn", "_tool_call_loop"},
 }
 
 
@@ -104,6 +106,7 @@ def test_overridden_methods_exist_upstream_with_the_same_signature():
         (PPOTrainer, trl.GRPOTrainer, trl.GRPOTrainer),
         (ColocatedVLLMGeneration, VLLMGeneration, VLLMGeneration),
         (AsyncGRPOTrainer, trl.GRPOTrainer, GRPOTrainer),
+        (AsyncToolLoopMixin, trl.GRPOTrainer, GRPOTrainer),
     )
     for ours, trl_cls, parent in triples:
         for name in sorted(TRL_OVERRIDES[ours]):

@@ -45,6 +45,8 @@ class AsyncBehaviourMetricsMixin:
         super()._deferred_correction(logps, inputs)
         if not had and "importance_sampling_ratio" in inputs:
             mask = inputs["completion_mask"]
+            if "tool_mask" in inputs:  # tool results were not sampled: no behaviour log-prob to compare
+                mask = mask * inputs["tool_mask"]
             self._log_behaviour(logps.detach(), inputs["sampling_per_token_logps"], mask)
 
     def _log_behaviour(self, prox: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor) -> None:

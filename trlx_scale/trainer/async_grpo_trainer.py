@@ -123,7 +123,10 @@ class AsyncGRPOTrainer(
                 "trainer. Use tools or an environment_factory (trajectories run by the producer), or GRPOTrainer "
                 "for a custom rollout."
             )
-        functions = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if reward_funcs is None:  # an environment's get_reward may be the only reward source (TRL checks there is one)
+            functions = []
+        else:
+            functions = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         for function in functions:
             if not callable(function) or isinstance(function, torch.nn.Module):
                 raise TypeError(
@@ -281,6 +284,8 @@ class AsyncGRPOTrainer(
         self._reweigh_sequences(output)
         if "old_per_token_logps" in output and "sampling_per_token_logps" in output:
             mask = output["completion_mask"]
+            if "tool_mask" in output:  # tool results were not sampled: no behaviour log-prob to compare
+                mask = mask * output["tool_mask"]
             self._log_behaviour(output["old_per_token_logps"], output["sampling_per_token_logps"], mask)
         return output
 

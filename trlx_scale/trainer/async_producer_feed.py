@@ -37,8 +37,9 @@ class AsyncProducerFeedMixin:
             self._prompt_cache.update(entries)
 
     def _group_prompt_ids(self, row: dict[str, Any]) -> list[int]:
-        """The group's prompt as TRL tokenizes it; with environments, rendered with the tools of the row's own (TRL
-        reads them from the batch being trained, which this row is not part of yet)."""
+        """A row's prompt as TRL tokenizes it. With environments TRL renders each prompt with the tools of its row's
+        environment, which it reads from the batch being trained (``_batch_environments``, set by its rollout): this
+        row is not part of that batch, so its own environment stands in for the call."""
         if self.environment_factories is None:
             return list(self._tokenize_prompts([row["prompt"]])[0][0])
         batch = getattr(self, "_batch_environments", None)
@@ -46,7 +47,10 @@ class AsyncProducerFeedMixin:
         try:
             return list(self._tokenize_prompts([row["prompt"]])[0][0])
         finally:
-            self._batch_environments = batch
+            if batch is None:
+                del self._batch_environments
+            else:
+                self._batch_environments = batch
 
     def _producer_prompt(self, index: int) -> dict[str, Any]:
         with self._prompt_lock:

@@ -71,7 +71,6 @@ class AsyncServerLaunchMixin:
 
     def _probe_ids(self) -> list[int]:
         """A probe sequence: the first training prompt and a few tokens (the same on every rank)."""
-        prompt = self.train_dataset[0]["prompt"]
-        ids = list(self._tokenize_prompts([prompt])[0][0])
+        ids = self._group_prompt_ids(self.train_dataset[0])
         vocab = self.accelerator.unwrap_model(self.model).config.vocab_size
         return ids + [(ids[i % len(ids)] + i) % vocab for i in range(PROBE_TOKENS)]
