@@ -11,9 +11,9 @@
 
 - ``tool_call_continuation``: GRPOTrainer's turns after TRL's first, each trajectory at its own pace (wired by
   ``trainer/concurrent_tool_loop_mixin.py``; ``agent_fields``: its config fields);
+- ``server_tool_sampler``: ``AsyncGRPOTrainer``'s producer samples whole tool trajectories on the vLLM servers
+  (wired by ``trainer/async_tool_loop.py``);
 - ``reasoning_gym_environment``: Reasoning Gym's tasks as TRL's environment contract.
-
-``AsyncGRPOTrainer`` takes no tools yet (docs/agents.md, "What is not done yet").
 """
 
 from .environments import AgentEnvironment, EnvironmentStep, GymEnvironment, ToolEnvironment

@@ -28,8 +28,9 @@ def turn_seed(seed: int, turn: int) -> int:
 class ServerTurnSampler:
     """Samples turns on the vLLM servers at ``base_urls`` serving ``model`` (see the module docstring). ``model`` is
     the name requests ask for: the base model, or a policy version's adapter (``server_client.adapter_name``) when
-    the trainer syncs adapters. Not yet wired into ``AsyncGRPOTrainer``, whose ``VLLMServerClient`` it should then
-    share (retries, TLS context, the version's name)."""
+    the trainer syncs adapters. A standalone sampler (``run_trajectories``' building block); ``AsyncGRPOTrainer``
+    samples its later turns through ``VLLMServerClient.sample_turn`` instead (``server_tool_sampler``), which shares
+    the client's retries, TLS context and version names."""
 
     def __init__(
         self,
