@@ -42,6 +42,7 @@ class SampledTurn:
     ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (an end token) or "length" (max_tokens reached)
+    version: int | None = None  # the policy version that sampled it, where the engine knows (the servers)
 
 
 class TurnSampler(Protocol):

@@ -13,12 +13,16 @@ A group (one prompt, ``n`` trajectories), in numbered steps, all on the producer
    soon as its tools returned (``VLLMServerClient.sample_turn``: the replica's prefix cache holds the trajectory's
    context), while other trajectories of this group and of the other groups in flight generate or wait on theirs.
 
-A weight update landing mid-trajectory: every turn of a trajectory is sampled by the version that sampled its first
-turn. With adapters, each turn's request names that version's adapter (kept loaded while a group in flight can use
-it); with full weights, a reload waits for the producer's requests in flight (``hold_requests``), a group's later
-turns included. So the staleness the schedule admitted a group at is the staleness of every token of it, the
-behaviour log-probs of each token are those of the weights that sampled it, and no per-token version is needed.
-The price, with full weights only: a reload also waits for tools in flight.
+A weight update landing mid-trajectory. With adapters, every turn of a trajectory is sampled by the version that
+sampled its first turn: each request names that version's adapter, kept loaded while a group in flight can use it,
+and an update pauses nothing. With full weights, a reload holds only the requests at the servers
+(``RequestGate``), not the trajectories waiting on their tools: a turn sent after the reload is sampled by the new
+weights, and each turn records the version that sampled it (``TrajectorySummary.turn_versions``). Its tokens' behaviour
+log-probs are that version's, so the importance correction of every token uses the weights that sampled it. The
+schedule admits a group by its first turn's version (``SampledGroup.version``); later turns are at most as stale.
+Chosen by measurement (docs/benchmarks.md, the async tools rows): holding the reload until every trajectory in flight
+had finished on its first version (tools included) made each update wait for the slowest tool, and the asynchronous
+trainer ran at 0.94x the synchronous concurrent loop.
 
 The group returned carries the whole trajectories as its completions (what trains), their messages (what the reward
 functions read), and in ``extras`` the first turns (what TRL's ``_generate`` parses) and the tool masks and counts
@@ -69,19 +73,21 @@ class TrajectorySummary:
     tool_rounds: int
     truncated_tool_responses: int
     stop_reason: str
+    turn_versions: tuple[int, ...] = ()  # the policy version of each sampled turn, the first included
 
 
 class _ReplicaTurns:
-    """A ``TurnSampler`` on one replica and one version: the group's later turns."""
+    """A ``TurnSampler`` on one replica: the group's later turns, by its first turn's version or, with full weights
+    reloaded since, by the servers' newer one (``VLLMServerClient.sample_turn``)."""
 
     def __init__(self, client: Any, version: int, replica: int):
         self.client, self.version, self.replica = client, version, replica
 
     async def sample(self, prompt_ids: list[int], max_tokens: int, seed: int, turn: int) -> SampledTurn:
-        ids, logprobs, finish = await self.client.sample_turn(
+        ids, logprobs, finish, version = await self.client.sample_turn(
             prompt_ids, max_tokens, turn_seed(seed, turn), version=self.version, replica=self.replica
         )
-        return SampledTurn(ids=ids, logprobs=logprobs, finish_reason=finish)
+        return SampledTurn(ids=ids, logprobs=logprobs, finish_reason=finish, version=version)
 
 
 def trajectory_seed(group_seed: int, position: int) -> int:
@@ -138,6 +144,7 @@ class ServerToolGroupSampler:
                     tool_mask=[1] * len(ids),
                     tools=own.schema,
                     last_turn_cut=bool(ids) and ids[-1] not in self.eos_token_ids,
+                    turn_versions=[first.version],
                 )
             )
         stats = ToolStats()
@@ -170,6 +177,7 @@ class ServerToolGroupSampler:
                         tool_rounds=state.tool_rounds,
                         truncated_tool_responses=state.truncated_tool_responses,
                         stop_reason=state.stop_reason,
+                        turn_versions=tuple(state.turn_versions),
                     )
                     for state in states
                 ],

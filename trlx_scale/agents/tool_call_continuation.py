@@ -57,6 +57,9 @@ class TrajectoryState:
     tool_rounds: int = 0
     truncated_tool_responses: int = 0
     stop_reason: str = "done"  # one of STOP_REASONS
+    # The policy version of each sampled turn, the first included, where the sampler reports one (the servers:
+    # with full weights a reload between two turns makes the later one newer).
+    turn_versions: list[int] = dataclasses.field(default_factory=list)
 
 
 # Why a trajectory ended: "done" (its last turn called no tool), "length" (its last turn was cut at its token limit:
@@ -130,6 +133,8 @@ async def continue_trajectory(
             turn = await sampler.sample(held, max_tokens, seed, state.tool_rounds + 1)
             sampled_ids, sampled_logprobs = list(turn.ids), list(turn.logprobs)
             state.last_turn_cut = turn.finish_reason == "length"
+            if turn.version is not None:
+                state.turn_versions.append(turn.version)
         else:
             sampled_ids, sampled_logprobs = [], []
             state.last_turn_cut = True

@@ -14,7 +14,8 @@ Which weights answer is part of the request, and checked on the answer:
   get the last adapter's outputs, since "no adapter" is index -1.)
 - Full weights: the server reloads the version's files (``reload_weights``: pause, ``reload_weights`` through
   ``/collective_rpc``, reset the prefix cache, resume); requests in flight finish on the old weights first
-  (``/pause?mode=wait``), so the version recorded at sending is the one that answers.
+  (``/pause?mode=wait``), and the trainer reloads inside a hold of the client's ``RequestGate``, which every
+  sampling request passes: the version recorded at sending is the one that answers.
 
 Faults are errors within ``request_timeout`` seconds, never a hang: an unreachable server
 (``ServerUnreachableError``), a server that serves another model (``ServerModelMismatchError``), a server that dies
@@ -33,6 +34,7 @@ from typing import Any
 import httpx
 
 from ..rollout.async_producer import GroupRequest, SampledGroup
+from ..rollout.request_gate import RequestGate
 from .vllm_server import VLLMServerProcess
 
 TRANSPORT_RETRIES = 2  # a sampling request resent after a dropped keep-alive connection, at most this often
@@ -111,6 +113,9 @@ class VLLMServerClient:
         self.prompt_ids = prompt_ids
         self.full_weights_version: int = 0  # the base weights the servers started with are version 0
         self.loaded_adapters: dict[int, str] = {}
+        # Every sampling request passes it: a full-weight reload holds it (``RolloutProducer.hold_requests``), so
+        # the version read when a request is sent is the version that answers it.
+        self.gate = RequestGate()
         self._async_client: httpx.AsyncClient | None = None
         # Made once: without it httpx builds a TLS context per request, reading the CA bundle each time (about
         # 20 ms, against 1-2 ms for the request itself on localhost); a full-weight update makes five requests.
@@ -189,20 +194,21 @@ class VLLMServerClient:
     async def sample(self, request: GroupRequest) -> SampledGroup:
         """One group: ``request.num_generations`` completions of the prompt by ``request.version``."""
         url = self.base_urls[request.index % len(self.base_urls)]
-        if self.lora:
-            name, version = self.model_for(request.version), request.version
-        else:
-            name, version = self.model, self.full_weights_version
-        body = {
-            "model": name,
-            "prompt": self.prompt_ids(request.prompt),
-            "n": request.num_generations,
-            "seed": request.seed,
-            "logprobs": 0,
-            "return_token_ids": True,
-            **self.sampling.body(),
-        }
-        answer = await self._post_completion(url, body, f"group {request.index}")
+        async with self.gate.request():
+            if self.lora:
+                name, version = self.model_for(request.version), request.version
+            else:
+                name, version = self.model, self.full_weights_version
+            body = {
+                "model": name,
+                "prompt": self.prompt_ids(request.prompt),
+                "n": request.num_generations,
+                "seed": request.seed,
+                "logprobs": 0,
+                "return_token_ids": True,
+                **self.sampling.body(),
+            }
+            answer = await self._post_completion(url, body, f"group {request.index}")
         if answer.get("model") != name:
             raise ServerModelMismatchError(
                 f"group {request.index}: asked {url} for {name!r}, the answer came from {answer.get('model')!r}."
@@ -218,37 +224,43 @@ class VLLMServerClient:
 
     async def sample_turn(
         self, prompt_ids: list[int], max_tokens: int, seed: int, *, version: int, replica: int
-    ) -> tuple[list[int], list[float], str]:
-        """One later turn of a multi-turn trajectory: ``prompt_ids`` are the trajectory's held ids (token-in), sampled
-        by ``version`` on replica ``replica`` (the one that sampled its first turn: its prefix is cached there).
-        Returns the sampled ids with their log-probs (token-out; the end token included: it is trained) and
-        ``"length"`` or ``"stop"``. With full weights, ``version`` must still be the one served: a reload waits for
-        the producer's requests in flight, a trajectory's later turns included."""
-        if self.lora:
-            name = self.model_for(version)
-        elif version != self.full_weights_version:
-            raise RuntimeError(
-                f"a trajectory started on version {version} continues while the servers hold version "
-                f"{self.full_weights_version}: a full-weight reload did not wait for it."
-            )
-        else:
-            name = self.model
+    ) -> tuple[list[int], list[float], str, int]:
+        """One later turn of a multi-turn trajectory: ``prompt_ids`` are the trajectory's held ids (token-in), on
+        replica ``replica`` (the one that sampled its first turn: its prefix is cached there). Returns the sampled
+        ids with their log-probs (token-out; the end token included: it is trained), ``"length"`` or ``"stop"``, and
+        the policy version that sampled them.
+
+        With adapters that is ``version`` (the trajectory's first turn's: its adapter stays loaded while a group in
+        flight can use it). With full weights it is the version the servers hold when the turn is sent, ``version``
+        or a newer one: a reload waits for requests at the servers, not for trajectories waiting on their tools
+        (``RequestGate``), so a trajectory's turns after a reload are sampled by the new weights, and each turn's
+        log-probs are those of the weights that sampled it."""
         url = self.base_urls[replica % len(self.base_urls)]
-        body = {
-            "model": name,
-            "prompt": list(prompt_ids),
-            "max_tokens": max_tokens,
-            "seed": seed,
-            "logprobs": 0,
-            "return_token_ids": True,
-            **{key: value for key, value in self.sampling.body().items() if key != "max_tokens"},
-        }
-        answer = await self._post_completion(url, body, "a trajectory's turn")
+        async with self.gate.request():
+            if self.lora:
+                name, served = self.model_for(version), version
+            elif self.full_weights_version < version:
+                raise RuntimeError(
+                    f"a trajectory started on version {version} continues while the servers hold the older version "
+                    f"{self.full_weights_version}: versions went backwards."
+                )
+            else:
+                name, served = self.model, self.full_weights_version
+            body = {
+                "model": name,
+                "prompt": list(prompt_ids),
+                "max_tokens": max_tokens,
+                "seed": seed,
+                "logprobs": 0,
+                "return_token_ids": True,
+                **{key: value for key, value in self.sampling.body().items() if key != "max_tokens"},
+            }
+            answer = await self._post_completion(url, body, "a trajectory's turn")
         if answer.get("model") != name:
             raise ServerModelMismatchError(f"asked {url} for {name!r}, the answer came from {answer.get('model')!r}.")
         choice = answer["choices"][0]
         finish = "length" if choice.get("finish_reason") == "length" else "stop"
-        return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"]), finish
+        return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"]), finish, served
 
     async def _post_completion(self, url: str, body: dict[str, Any], what: str) -> dict[str, Any]:
         """``/v1/completions`` on the producer's event loop, a dropped keep-alive connection retried."""

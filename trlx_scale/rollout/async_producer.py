@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .request_gate import RequestGate
 from .staleness import StalenessSchedule
 
 
@@ -123,6 +124,7 @@ class RolloutProducer:
         seed_for: Callable[[int, int, Any], int] | None = None,
         ready: Sequence[ScoredGroup] = (),
         clock: Callable[[], float] = time.monotonic,
+        gate: RequestGate | None = None,
     ):
         if max_inflight_tasks < 1:
             raise ValueError(f"max_inflight_tasks must be at least 1, got {max_inflight_tasks}.")
@@ -156,8 +158,11 @@ class RolloutProducer:
         self._next_take = schedule.start_index
         self._drain_until = schedule.start_index  # groups below it start even when the queue is full
         self._in_flight = 0
-        self._sampling = 0  # requests at the sampler (the server) now: in flight minus those being scored
-        self._held = 0  # hold_requests() callers: no request starts while above 0
+        # The gate a full-weight reload holds (``hold_requests``). Given: the sampler's own (a ``VLLMServerClient``
+        # passes each HTTP request through it, so a trajectory waiting on its tool holds no reload). None: the
+        # producer counts each group's ``sample`` as one request.
+        self.gate = gate or RequestGate()
+        self._sampler_gates_requests = gate is not None
         self._ready: dict[int, ScoredGroup] = {group.index: group for group in ready}
         self._error: BaseException | None = None
         self._closed = False
@@ -257,23 +262,11 @@ class RolloutProducer:
 
     @contextlib.contextmanager
     def hold_requests(self, timeout: float):
-        """No new request to the sampler inside the block, which starts once those in flight have returned (the
-        trainer runs a request of its own alone on the server: ``ServerGeneration``'s probe on vLLM's CPU build)."""
-        with self._lock:
-            self._held += 1
-            deadline = time.monotonic() + timeout
-            while self._sampling > 0 and self._error is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._held -= 1
-                    raise TimeoutError(f"{self._sampling} requests still at the server after {timeout:.0f} s.")
-                self._lock.wait(min(remaining, 1.0))
-        try:
+        """No new request to the servers inside the block, which starts once those at a server have returned (a
+        full-weight reload; the trainer's probe run alone on vLLM's CPU build). No group starts meanwhile either."""
+        with self.gate.hold(timeout, give_up=lambda: self._error is not None):
             yield
-        finally:
-            with self._lock:
-                self._held -= 1
-            self._poke()
+        self._poke()
 
     def admitted_groups(self, timeout: float, partial: bool = False) -> list[ScoredGroup]:
         """Every group not taken yet that the published version admits, in order, once each is sampled and scored;
@@ -393,7 +386,7 @@ class RolloutProducer:
         return (
             self._error is None
             and not self._closed
-            and not self._held
+            and not self.gate.held
             and self._in_flight < self.max_inflight_tasks
             and (waiting < self.queue_maxsize or index < self._drain_until)
             and self.schedule.may_start(index, self._published)
@@ -460,14 +453,11 @@ class RolloutProducer:
 
     async def _run_group(self, request: GroupRequest) -> None:
         try:
-            with self._lock:
-                self._sampling += 1
-            try:
+            if self._sampler_gates_requests:
                 sampled = await self.sampler.sample(request)
-            finally:
-                with self._lock:
-                    self._sampling -= 1
-                    self._lock.notify_all()
+            else:
+                async with self.gate.request():
+                    sampled = await self.sampler.sample(request)
             self.schedule.check(request.index, sampled.version)
             if len(sampled.completion_ids) != request.num_generations:
                 raise RuntimeError(

@@ -248,6 +248,7 @@ class AsyncGRPOTrainer(
             queue_maxsize=max(args.queue_maxsize, groups),
             seed_for=self._group_seed,
             ready=ready,
+            gate=client.gate,  # each HTTP request counted, not each group: a reload waits for no tool
         )
         producer.start()
         return build_engine(

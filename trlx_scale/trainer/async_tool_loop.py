@@ -204,6 +204,9 @@ class AsyncToolLoopMixin:
             stats.merge(group.extras[TOOL_STATS])
         summaries = [summary for group in groups for summary in group.extras[TRAJECTORY_SUMMARIES]]
         self._record_tool_loop(stats, summaries, None, {}, "train")
+        # Full weights: a reload between two turns of a trajectory (the later ones sampled by the newer version).
+        crossed = [len(set(summary.turn_versions)) > 1 for summary in summaries]
+        self._metrics["train"]["async/trajectories_across_versions_frac"].append(sum(crossed) / max(len(crossed), 1))
         return (
             [mask for group in groups for mask in group.extras[TOOL_MASKS]],
             [list(messages) for group in groups for messages in group.completions],
