@@ -25,7 +25,9 @@ Variants, each in its own process (its own engine):
   ``max_staleness`` policy versions behind the trainer (``--max-staleness``, default 2).
 
 Figures: samples (trajectories) per second, tool calls per second and turns per second (samples x (tool rounds + 1)
-per second), from one clock (a callback at each step's end; the median over steps after the first); the tool rounds
+per second), from one clock (a callback at each step's end): the mean step time from the end of step
+``1 + max_staleness`` to the last (steady state: the async producer fills ``max_staleness`` steps ahead during the
+warm-up, which a median of step times would count as speed; the same steps are left out for every variant); the tool rounds
 per trajectory (TRL's ``tools/call_frequency``); and ``trainer_idle_frac``, the fraction of a step the trainer waits
 for its rollout: the logged ``async/trainer_idle_frac`` for ``async`` (time blocked on the producer); for the
 synchronous trlx_scale variants the rollout's phases that the async producer takes off the trainer (``time/generation``
@@ -33,7 +35,7 @@ synchronous trlx_scale variants the rollout's phases that the async producer tak
 times). Each repeat runs every variant, the order rotating; a speed-up is the median over repeats of the ratio of two
 variants' samples per second.
 
-    python benchmarks/agents.py --repeats 3 --steps 4 --json-out /tmp/agents.json
+    python benchmarks/agents.py --repeats 3 --steps 12 --json-out /tmp/agents.json
 
 Results and the command: docs/benchmarks.md ("Multi-turn tool calls").
 """
@@ -179,9 +181,15 @@ def run_variant(variant: str, steps: int, prompts: int, generations: int, seed: 
     )
     start = time.perf_counter()
     trainer.train()
-    times = [b - a for a, b in zip([start, *ends[:-1]], ends, strict=True)][1:]  # after the warm-up step
+    times = [b - a for a, b in zip([start, *ends[:-1]], ends, strict=True)]
+    # Steady state: from the end of step 1 + max_staleness on, for every variant. The async producer samples up to
+    # max_staleness steps ahead during the warm-up step, so its next steps find groups ready; a median of per-step
+    # times would count that prefetch as speed.
+    skip = 1 + max_staleness
+    if len(ends) <= skip:
+        raise SystemExit(f"--steps must exceed 1 + --max-staleness ({skip}) to leave steps to measure.")
     logs = [entry for entry in trainer.state.log_history if "tools/call_frequency" in entry][1:]
-    step_seconds = statistics.median(times)
+    step_seconds = (ends[-1] - ends[skip - 1]) / (len(ends) - skip)
     samples = prompts * generations
     calls_per_sample = statistics.mean(entry["tools/call_frequency"] for entry in logs)
     return {
@@ -200,7 +208,9 @@ def run_variant(variant: str, steps: int, prompts: int, generations: int, seed: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
+    parser.add_argument(
+        "--steps", type=int, default=12, help="steps per run (the first 1 + max_staleness are left out)"
+    )
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--generations", type=int, default=4, help="trajectories per prompt (G)")
     parser.add_argument("--variants", default=",".join(VARIANTS))

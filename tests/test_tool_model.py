@@ -129,11 +129,13 @@ def test_the_tool_makes_it_right(held_out_evaluation):
 
 
 @pytest.mark.slow
-def test_grpo_with_the_tool_raises_held_out_accuracy(tmp_path):
-    """examples/grpo_tools.py, shortened: 10 GRPO steps with tools=[add] on the concurrent tool loop raise greedy
-    held-out accuracy (the tool executed) by at least 5 points (the full 30 steps: 60% -> 99-100%, docs)."""
+def test_grpo_with_the_tool_raises_held_out_accuracy(tmp_path, capsys):
+    """examples/grpo_tools.py (``trlx-scale grpo --task calculator_tools``), shortened: 10 GRPO steps with tools=[add]
+    on the concurrent tool loop raise greedy held-out accuracy (the tool executed) by at least 5 points (the full 30
+    steps: 60% -> 99-100%, docs), and the model calls the tool more often."""
     import importlib.util
     import os
+    import re
 
     from .helpers.launch import REPO_ROOT
 
@@ -141,5 +143,24 @@ def test_grpo_with_the_tool_raises_held_out_accuracy(tmp_path):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     result = example.main(["--max_steps", "10", "--eval_size", "100", "--output_dir", str(tmp_path)])
-    assert result["after"]["accuracy"] >= result["before"]["accuracy"] + 0.05, result
-    assert result["after"]["tool_call_rate"] > result["before"]["tool_call_rate"], result
+    assert result["accuracy_after"] >= result["accuracy_before"] + 0.05, result
+    rates = [float(rate) for rate in re.findall(r"tool called on ([0-9.]+)%", capsys.readouterr().out)]
+    assert len(rates) == 2 and rates[1] > rates[0], rates  # before and after
+    assert (tmp_path / "run_summary.json").is_file() and (tmp_path / "model.safetensors").is_file()
+
+
+def test_the_tool_task_is_refused_where_it_cannot_run():
+    """--task calculator_tools names the commands that train with tools, and does not mix with a dataset."""
+    from trlx_scale.scripts import dpo, grpo, ppo
+    from trlx_scale.tasks.example_runtime import parse_example_flags
+
+    _, config, model_args = parse_example_flags(grpo.EXAMPLE, ["--task", "calculator_tools", "--max_steps", "3"])
+    assert model_args.model_name_or_path.endswith("embedded_tool_model") and not model_args.use_peft
+    assert config.max_steps == 3 and config.max_tool_calling_iterations == 1 and config.max_completion_length == 100
+    for script in (ppo, dpo):
+        with pytest.raises(ValueError, match="run it with `trlx-scale grpo` or `trlx-scale async_grpo`"):
+            parse_example_flags(script.EXAMPLE, ["--task", "calculator_tools"])
+    with pytest.raises(ValueError, match="--dataset_name 'me/data' names another"):
+        parse_example_flags(grpo.EXAMPLE, ["--task", "calculator_tools", "--dataset_name", "me/data"])
+    with pytest.raises(ValueError, match="--task must be one of"):
+        parse_example_flags(grpo.EXAMPLE, ["--task", "calculator"])

@@ -38,7 +38,9 @@ def async_grpo_defaults(parsed) -> dict:
     }
 
 
-EXAMPLE = Example(trainer_cls=AsyncGRPOTrainer, config_cls=AsyncGRPOConfig, defaults=async_grpo_defaults)
+EXAMPLE = Example(
+    trainer_cls=AsyncGRPOTrainer, config_cls=AsyncGRPOConfig, defaults=async_grpo_defaults, takes_tools=True
+)
 
 
 def main(argv: list[str] | None = None) -> dict:

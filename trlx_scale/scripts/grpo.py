@@ -21,7 +21,7 @@ def grpo_defaults(parsed) -> dict:
     return {**ROLLOUT_EXAMPLE_DEFAULTS, "output_dir": "outputs/grpo-addition", "beta": 0.0}
 
 
-EXAMPLE = Example(trainer_cls=GRPOTrainer, config_cls=GRPOConfig, defaults=grpo_defaults)
+EXAMPLE = Example(trainer_cls=GRPOTrainer, config_cls=GRPOConfig, defaults=grpo_defaults, takes_tools=True)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -21,7 +21,9 @@ from transformers import TrainerCallback
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl.models import unwrap_model_for_generation
 
+from . import calculator_tool_run
 from .addition import addition_dataset
+from .calculator_tool_run import ADDITION, CALCULATOR_TOOLS
 from .default_model import default_model_path
 from .evaluation import exact_match_accuracy
 from .recipe_files import recipe_arguments
@@ -68,6 +70,15 @@ class TaskScriptArguments(ScriptArguments):
     reward_model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "A reward model (Hub id or local path of a sequence-classification model), as in trl grpo."},
+    )
+    task: str = field(
+        default=ADDITION,
+        metadata={
+            "help": "The embedded task when --dataset_name is unset: 'addition' (two-digit sums, the embedded "
+            "default model) or 'calculator_tools' (sums of three three-digit numbers with an `add` tool, the embedded "
+            "tool model, held-out accuracy with the tool executed; `trlx-scale grpo` and `trlx-scale async_grpo` "
+            "only)."
+        },
     )
     eval_every_steps: int | None = field(
         default=None,
@@ -289,6 +300,7 @@ class Example:
         default_factory=lambda: lambda config, reward: {"reward_funcs": reward}
     )
     reward_key: str = "reward"
+    takes_tools: bool = False  # the trainer trains with tools (--task calculator_tools)
 
 
 def _load_prompt_data(script_args, config):
@@ -307,9 +319,11 @@ def parse_example_flags(example: Example, argv: list[str]):
     parser = script_parser(example)
     class_defaults = {f.name: f.default for f in dataclasses.fields(example.config_cls)}
 
-    def parse(first_pass):
+    def parse(first_pass, first_script=None):
         defaults = {"model_name_or_path": default_model_path(), **SHARED_EXAMPLE_DEFAULTS}
         defaults.update(example.defaults(first_pass))
+        if first_script is not None and first_script.task == CALCULATOR_TOOLS:
+            defaults.update(calculator_tool_run.task_defaults())
         if first_pass is not None and getattr(first_pass, "optim_preset", None) is not None:
             defaults.update({name: class_defaults[name] for name in OPTIMIZER_FIELDS})
         defaults.update(cpu_launch_defaults())
@@ -323,8 +337,11 @@ def parse_example_flags(example: Example, argv: list[str]):
             )
         return parser.parse_args_and_config(argv)
 
-    _, first_config, _ = parse(None)
-    script_args, config, model_args = parse(first_config)
+    first_script, first_config, _ = parse(None)
+    calculator_tool_run.check_task(
+        first_script.task, example.takes_tools, example.trainer_cls.__name__, first_script.dataset_name or None
+    )
+    script_args, config, model_args = parse(first_config, first_script)
     # `--dataset_name ""` unsets a dataset a recipe or config file named: the embedded task then.
     script_args.dataset_name = script_args.dataset_name or None
     return script_args, config, model_args
@@ -334,10 +351,17 @@ def run_example(example: Example, argv: list[str] | None = None) -> dict:
     """Parse the flags, train, measure held-out accuracy before and after, save (and push), print the summary."""
     argv = sys.argv[1:] if argv is None else argv
     script_args, config, model_args = parse_example_flags(example, argv)
-    train_dataset, held_out = example.load_data(script_args, config)
+    with_tools = script_args.task == CALCULATOR_TOOLS
+    if with_tools:
+        train_dataset, held_out = calculator_tool_run.task_data(script_args.train_size, script_args.eval_size)
+    else:
+        train_dataset, held_out = example.load_data(script_args, config)
     answer_column = script_args.answer_column
 
-    rewards = resolve_reward_functions(script_args.reward_funcs, answer_column)
+    if with_tools and not script_args.reward_funcs:
+        rewards = calculator_tool_run.task_reward_functions()
+    else:
+        rewards = resolve_reward_functions(script_args.reward_funcs, answer_column)
     if script_args.reward_model_name_or_path:
         rewards = [script_args.reward_model_name_or_path, *rewards]
 
@@ -349,11 +373,14 @@ def run_example(example: Example, argv: list[str] | None = None) -> dict:
         train_dataset=train_dataset,
         peft_config=get_peft_config(model_args),
         **example.trainer_kwargs(config, rewards),
+        **(calculator_tool_run.task_trainer_kwargs(model_args.model_name_or_path) if with_tools else {}),
     )
-    held_out_column = answer_column if held_out is not None and answer_column in held_out.column_names else "answer"
 
     def accuracy() -> float | None:
-        return held_out_accuracy(trainer, held_out, held_out_column, script_args.eval_max_new_tokens)
+        if with_tools:
+            return calculator_tool_run.held_out_tool_accuracy(trainer, held_out)
+        column = answer_column if held_out is not None and answer_column in held_out.column_names else "answer"
+        return held_out_accuracy(trainer, held_out, column, script_args.eval_max_new_tokens)
 
     summary = RunSummary(model=model_args.model_name_or_path, world_size=trainer.accelerator.num_processes)
     summary.accuracy_before = accuracy()
@@ -375,5 +402,7 @@ def run_example(example: Example, argv: list[str] | None = None) -> dict:
         summary.accuracy_curve = [(0, summary.accuracy_before), *curve.points]
         summary.accuracy_curve.append((trainer.state.global_step, summary.accuracy_after))
     summary.read_log_history(trainer.state.log_history, trainer.state.global_step, reward_key=example.reward_key)
-    dataset_label = script_args.dataset_name or "trlx_scale/addition"
+    dataset_label = script_args.dataset_name or (
+        calculator_tool_run.DATASET_LABEL if with_tools else "trlx_scale/addition"
+    )
     return finish_run(trainer, summary, config.output_dir, dataset_label, config.push_to_hub)
