@@ -174,6 +174,51 @@ def test_a_trajectory_waiting_on_its_tool_holds_no_other_and_a_hung_tool_is_a_to
     assert logged(trainer, "rewards/_WaitingCalculator/mean") == [2.0]
 
 
+class _PromptRecordingGRPOTrainer(_RecordingGRPOTrainer):
+    def _tool_call_loop(self, prompts, prompt_ids, *args):
+        self.recorded_prompt_ids = [list(ids) for ids in prompt_ids]
+        return super()._tool_call_loop(prompts, prompt_ids, *args)
+
+
+def verbose_inc(a: int) -> str:
+    """Add one to an integer, and explain at length.
+
+    Args:
+        a: The integer.
+    """
+    return f"{a + 1} " + "because " * 8
+
+
+def test_a_trajectory_that_would_overflow_the_model_length_stops_inside_it(
+    tmp_path, default_model_dir, default_tokenizer
+):
+    """Tool results that would take a trajectory past its budget: max_completion_length (250) is all the engine's
+    context (256) leaves after the 5-token prompts (a longer budget is refused up front, naming
+    vllm_max_model_length: reliability/input_checks.py). Every later turn asks at most what is left, a result that
+    would not fit is rolled back (the trajectory ends on "budget", TRL's rule), and no request reaches vLLM past its
+    model length (which would fail the step)."""
+    from transformers import AutoModelForCausalLM
+
+    verbose_inc.__name__ = "inc"  # the structured-outputs regex makes every turn a call of `inc`
+    trainer = _PromptRecordingGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32),
+        reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+        args=_config(tmp_path, "overflow", max_completion_length=250, max_tool_calling_iterations=8),
+        train_dataset=_dataset(2),
+        processing_class=with_tool_template(default_tokenizer),
+        tools=[verbose_inc],
+    )
+    trainer.train()
+    tool_mask, completions, completion_ids, _, calls, failures, _ = trainer.recorded_loop
+    assert failures == 0 and calls > 0
+    lengths = [len(p) + len(c) for p, c in zip(trainer.recorded_prompt_ids, completion_ids, strict=True)]
+    assert max(lengths) <= 256, lengths
+    assert logged(trainer, "agents/stopped_budget_frac")[0] > 0  # results rolled back at the context's edge
+    assert logged(trainer, "agents/stopped_tool_rounds_frac") == [0.0]  # the context ended them, not the rounds
+    for mask, ids in zip(tool_mask, completion_ids, strict=True):
+        assert len(mask) == len(ids)
+
+
 def test_tool_scheduling_is_checked_by_name(tmp_path):
     with pytest.raises(ValueError, match="tool_scheduling must be one of"):
         small_grpo_config(tmp_path, tool_scheduling="parallel")

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from trlx_scale.generation.cpu_environment import running_on_cpu_only
 from trlx_scale.generation.server_client import (
     SamplingSettings,
     ServerFailedError,
@@ -217,3 +218,17 @@ def test_a_server_that_dies_mid_run_is_an_error_naming_its_exit(server, default_
         asyncio.run(sample_while_killed())
     assert time.monotonic() - began < 30
     server.stop()  # its engine processes too
+
+
+@pytest.mark.skipif(
+    not running_on_cpu_only(), reason="the CPU engine's flags: on a GPU machine vLLM chunks prefills as it decides"
+)
+def test_on_cpu_the_server_prefills_whole_prompts():
+    """vLLM 0.32's CPU sampler kills the engine on a seeded request whose prompt is split across prefill chunks
+    (tests/test_compat.py); every request of the producer is seeded, so the server must not chunk (seen with tool
+    trajectories: long held contexts beside other prompts)."""
+    argv = ServerLaunch(model="m", port=8000, max_model_len=256).arguments()
+    assert "--no-enable-chunked-prefill" in argv
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "4096"
+    argv = ServerLaunch(model="m", port=8000).arguments()
+    assert "--no-enable-chunked-prefill" in argv and "--max-num-batched-tokens" not in argv

@@ -94,6 +94,16 @@ class ServerLaunch:
             argv += ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
         if self.weight_transfer:
             argv += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
+        if running_on_cpu_only():
+            # vLLM 0.32's CPU sampler cannot seed a request whose prompt is split across prefill chunks ("CPU
+            # Generator does not use offset": the engine dies), and every request here is seeded. Whole prompts per
+            # step instead, as the colocated engine does (tests/test_compat.py fails once vLLM fixes it); seen with
+            # multi-turn trajectories, whose later turns send long held contexts while other prompts are in flight.
+            # The step's token budget must then hold the longest prompt (vLLM sizes it from the model's context
+            # when no --max-model-len is given).
+            argv += ["--no-enable-chunked-prefill"]
+            if self.max_model_len:
+                argv += ["--max-num-batched-tokens", str(max(4096, self.max_model_len))]
         return argv + list(self.extra_args)
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
