@@ -1023,3 +1023,75 @@ def test_what_the_async_trainer_cannot_do_with_tools_is_refused_by_name(
     trainer = build("observing", environment_factory=_Observing, max_steps=1)
     with pytest.raises(RolloutProducerError, match="reset returned an observation"):
         trainer.train()
+
+
+class _SlowLookup:
+    """A deterministic environment whose tool takes 0.2 s: at a checkpoint, trajectories are waiting on it."""
+
+    def reset(self, **row):
+        self.calls = 0
+
+    def lookup(self, q: str) -> str:
+        """Look a query up.
+
+        Args:
+            q: The query.
+        """
+        self.calls += 1
+        time.sleep(0.2)
+        return "r" * (1 + len(q) % 5)
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+@pytest.mark.slow
+def test_resume_is_exact_with_tool_trajectories_in_flight(
+    server, default_model_dir, default_model, default_tokenizer, tmp_path
+):
+    """Tools under AsyncGRPOTrainer at max_staleness=1 with LoRA (every turn of a trajectory on its first turn's
+    adapter, so a run is a function of its seed): 4 straight steps with a checkpoint at step 2, against a new trainer
+    resuming from it. Step 3's trajectories, sampled by version 1 and in flight at the save, come back from the
+    checkpoint's rollout window; step 4's are sampled again by version 2. Same rewards, tool calls and losses."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    # The module server's base back to the default model (the trainers before this one reloaded full weights).
+    base = write_full_weights(default_model, str(tmp_path / "base"))
+    VLLMServerClient([server.url], model=default_model_dir, sampling=SamplingSettings(4)).reload_weights(0, base)
+
+    def trainer(name: str) -> AsyncGRPOTrainer:
+        return AsyncGRPOTrainer(
+            model=default_model_dir,
+            args=small_grpo_config(
+                tmp_path / name,
+                AsyncGRPOConfig,
+                vllm_server_base_url=server.url,
+                vllm_sync_mode="lora",
+                max_staleness=1,
+                max_steps=4,
+                learning_rate=5e-2,
+                max_completion_length=60,
+                max_tool_calling_iterations=3,
+                save_strategy="steps",
+                save_steps=2,
+            ),
+            train_dataset=Dataset.from_list(
+                [{"prompt": [{"role": "user", "content": f"{i}+{i + 3}"}]} for i in range(16)]
+            ),
+            processing_class=_tool_tokenizer(default_tokenizer, "lookup", "q"),
+            environment_factory=_SlowLookup,
+            peft_config=LoraConfig(r=8, target_modules=["q_proj", "v_proj"]),
+        )
+
+    straight = trainer("a")
+    straight.train()
+    checkpoint = tmp_path / "a" / "checkpoint-2"
+    assert (checkpoint / "async_rollout_window_rank0.pt").is_file()
+    resumed = trainer("b")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert logged(straight, "async/staleness_max") == [0.0, 1.0, 1.0, 1.0]
+    assert sum(logged(straight, "tools/calls")) > 0
+    for name in ("reward", "tools/calls", "async/staleness_max"):
+        assert logged(resumed, name) == logged(straight, name), name
+    assert logged(resumed, "loss") == pytest.approx(logged(straight, "loss"), abs=1e-7)

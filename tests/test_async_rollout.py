@@ -390,6 +390,26 @@ def test_a_checkpoints_window_resumes_the_interrupted_schedule(tmp_path):
     assert [group.rewards for group in before + after] == [group.rewards for group in whole]
 
 
+def test_a_window_keeps_a_multi_turn_groups_messages_and_extras_and_refuses_what_it_cannot_save(tmp_path):
+    """A tool group's completions (messages) and its sampler's extras (first turns, masks, counts) come back as they
+    were; an extra that torch.load(weights_only=True) could not read back is refused by name and nothing is written."""
+    from trlx_scale.rollout.rollout_window import load_window, save_window
+
+    messages = [[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}]}]]
+    extras = {"first_turn_ids": [[5, 6]], "tool_masks": [[1, 1, 0, 1]], "tool_stats": {"calls": 1, "seconds": 0.5}}
+    sampled = SampledGroup([[5, 6, 7, 8]], [[-0.5, -0.25, 0.0, -1.0]], 0, completions=messages, extras=dict(extras))
+    group = ScoredGroup(GroupRequest(0, "p", 1, 0, 3), sampled, [[1.0]], 0)
+    save_window(str(tmp_path / "window.pt"), [group], {"max_staleness": 1})
+    _, (loaded,) = load_window(str(tmp_path / "window.pt"))
+    assert loaded.sampled.completions == messages
+    assert {key: loaded.sampled.extras[key] for key in extras} == extras
+
+    sampled.extras["environment"] = object()
+    with pytest.raises(TypeError, match="extra 'environment' \\(object\\) is not a plain value"):
+        save_window(str(tmp_path / "other.pt"), [group], {"max_staleness": 1})
+    assert not (tmp_path / "other.pt").exists()
+
+
 def test_a_window_of_other_settings_is_not_continued():
     from trlx_scale.rollout.rollout_window import window_mismatch
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from trlx_scale.agents.server_tool_sampler import TRAJECTORY_SUMMARIES, ServerToolGroupSampler, TrajectoryTools
+from trlx_scale.agents.server_tool_sampler import ServerToolGroupSampler, TrajectoryTools, trajectory_summaries
 from trlx_scale.agents.tool_call_continuation import ContinuationLimits
 from trlx_scale.generation.server_client import SamplingSettings, VLLMServerClient
 from trlx_scale.rollout.async_producer import GroupRequest
@@ -155,8 +155,7 @@ def test_a_reload_lands_while_a_trajectory_waits_on_its_tool_and_its_next_turn_i
         executor.shutdown(wait=False)
     assert held_after < 0.5, f"the reload waited {held_after:.2f} s: it waited for the tool"
     assert group.version == 0  # admitted (and staleness counted) by the first turn
-    summaries = group.extras[TRAJECTORY_SUMMARIES]
-    assert [summary.turn_versions for summary in summaries] == [(0, 1, 1), (0, 1, 1)]
+    assert [summary.turn_versions for summary in trajectory_summaries(group.extras)] == [(0, 1, 1), (0, 1, 1)]
     assert client.sent_versions == [0, 1, 1, 1, 1]  # one first-turn request, then two later turns per trajectory
     assert group.completion_ids[0] == [10, END, 5, 6, 10, END, 5, 6, 11, END]
 

@@ -76,6 +76,19 @@ class TrajectorySummary:
     turn_versions: tuple[int, ...] = ()  # the policy version of each sampled turn, the first included
 
 
+def tool_stats(extras: dict[str, Any]) -> ToolStats:
+    """A tool group's tool counts and latencies (``extras[TOOL_STATS]``)."""
+    return ToolStats(**extras[TOOL_STATS])
+
+
+def trajectory_summaries(extras: dict[str, Any]) -> list[TrajectorySummary]:
+    """A tool group's trajectory summaries (``extras[TRAJECTORY_SUMMARIES]``), in trajectory order."""
+    return [
+        TrajectorySummary(**{**values, "turn_versions": tuple(values["turn_versions"])})
+        for values in extras[TRAJECTORY_SUMMARIES]
+    ]
+
+
 class _ReplicaTurns:
     """A ``TurnSampler`` on one replica: the group's later turns, by its first turn's version or, with full weights
     reloaded since, by the servers' newer one (``VLLMServerClient.sample_turn``)."""
@@ -169,15 +182,18 @@ class ServerToolGroupSampler:
                 FIRST_TURN_IDS: [list(ids) for ids in first.completion_ids],
                 FIRST_TURN_LOGPROBS: [list(values) for values in first.logprobs],
                 TOOL_MASKS: [state.tool_mask for state in states],
-                TOOL_STATS: stats,
+                # Plain values (a checkpoint's rollout window saves them): read back by tool_stats and trajectory_summaries.
+                TOOL_STATS: dataclasses.asdict(stats),
                 TRAJECTORY_SUMMARIES: [
-                    TrajectorySummary(
-                        tool_calls=state.tool_calls,
-                        tool_failures=state.tool_failures,
-                        tool_rounds=state.tool_rounds,
-                        truncated_tool_responses=state.truncated_tool_responses,
-                        stop_reason=state.stop_reason,
-                        turn_versions=tuple(state.turn_versions),
+                    dataclasses.asdict(
+                        TrajectorySummary(
+                            tool_calls=state.tool_calls,
+                            tool_failures=state.tool_failures,
+                            tool_rounds=state.tool_rounds,
+                            truncated_tool_responses=state.truncated_tool_responses,
+                            stop_reason=state.stop_reason,
+                            turn_versions=tuple(state.turn_versions),
+                        )
                     )
                     for state in states
                 ],

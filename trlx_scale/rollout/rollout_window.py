@@ -10,8 +10,10 @@ waits for work that is not wasted.
 
 The file holds tensors and plain values only (``torch.load(weights_only=True)``): completion token ids, the
 behaviour log-probs in float64 (the server's values, bit for bit), the rewards, and per group its index, request
-version, seed, sampled version, staleness and prompt ids. The settings that decide the schedule are saved beside
-them; a run whose settings differ regenerates the window instead (``window_mismatch``).
+version, seed, sampled version, staleness and prompt ids, its completions as the sampler gave them (text, or a
+multi-turn trajectory's messages) and the sampler's other ``extras`` (a multi-turn group's first turns, tool masks
+and counts: ``agents.server_tool_sampler``), which must be plain values too. The settings that decide the schedule
+are saved beside them; a run whose settings differ regenerates the window instead (``window_mismatch``).
 """
 
 from __future__ import annotations
@@ -34,8 +36,41 @@ def _reward_log(group: ScoredGroup) -> GroupRewardLog:
     return group.sampled.extras.get(REWARD_LOG_KEY) or GroupRewardLog(len(group.sampled.completion_ids))
 
 
+# Extras the window writes in fields of their own (above); every other extra is saved as it is.
+_OWN_FIELDS = (REWARD_LOG_KEY, RolloutPolicyVersions.EXTRAS_KEY)
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _is_plain(value: Any) -> bool:
+    """What ``torch.load(weights_only=True)`` reads back: primitives in lists, tuples and str-keyed dicts."""
+    if isinstance(value, _PLAIN):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _is_plain(item) for key, item in value.items())
+    return False
+
+
+def _plain_extras(group: ScoredGroup) -> dict[str, Any]:
+    extras = {key: value for key, value in group.sampled.extras.items() if key not in _OWN_FIELDS}
+    for key, value in extras.items():
+        if not _is_plain(value):
+            raise TypeError(
+                f"group {group.index}: the sampler's extra {key!r} ({type(value).__name__}) is not a plain value "
+                "(str, int, float, bool, None in lists and dicts): a checkpoint's rollout window cannot save it. "
+                "Store it as plain values, or drop it once the group is scored."
+            )
+    return extras
+
+
 def save_window(path: str, groups: list[ScoredGroup], settings: dict[str, int]) -> None:
     """Write ``groups`` (in index order) and the schedule ``settings`` to ``path`` atomically."""
+    extras = [_plain_extras(group) for group in groups]  # first: a group that cannot be saved writes nothing
+    texts = [group.sampled.completions for group in groups]
+    for group, completions in zip(groups, texts, strict=True):
+        if not _is_plain(completions):
+            raise TypeError(f"group {group.index}: its completions are not plain values; the window cannot save them.")
     completions = [ids for group in groups for ids in group.sampled.completion_ids]
     logprobs = [values for group in groups for values in group.sampled.logprobs]
     state: dict[str, Any] = {
@@ -55,6 +90,8 @@ def save_window(path: str, groups: list[ScoredGroup], settings: dict[str, int]) 
         "logprobs": torch.tensor([value for values in logprobs for value in values], dtype=torch.float64),
         # What the reward functions logged through log_metric: the resumed run reports it at the step that trains them.
         "reward_metrics": [[list(pair) for pair in _reward_log(group).metrics] for group in groups],
+        "completions": texts,
+        "extras": extras,
         "rewards": [
             torch.tensor(
                 [[math.nan if value is None else value for value in row] for row in group.rewards], dtype=torch.float64
@@ -89,7 +126,9 @@ def load_window(path: str) -> tuple[dict[str, int], list[ScoredGroup]]:
             logprobs=[logprobs[row + i].tolist() for i in range(size)],
             version=state["sampled_versions"][position],
             prompt_ids=prompt_ids,
+            completions=state.get("completions", [None] * len(state["indices"]))[position],
         )
+        sampled.extras.update(state.get("extras", [{}] * len(state["indices"]))[position])
         metrics = state.get("reward_metrics", [[]] * len(state["indices"]))[position]
         sampled.extras[REWARD_LOG_KEY] = GroupRewardLog(
             size, metrics=[(name, float(value)) for name, value in metrics]

@@ -323,7 +323,7 @@ def parse_example_flags(example: Example, argv: list[str]):
         defaults = {"model_name_or_path": default_model_path(), **SHARED_EXAMPLE_DEFAULTS}
         defaults.update(example.defaults(first_pass))
         if first_script is not None and first_script.task == CALCULATOR_TOOLS:
-            defaults.update(calculator_tool_run.task_defaults())
+            defaults.update(calculator_tool_run.task_defaults(example.config_cls))
         if first_pass is not None and getattr(first_pass, "optim_preset", None) is not None:
             defaults.update({name: class_defaults[name] for name in OPTIMIZER_FIELDS})
         defaults.update(cpu_launch_defaults())

@@ -34,11 +34,11 @@ from ..agents.server_tool_sampler import (
     FIRST_TURN_IDS,
     FIRST_TURN_LOGPROBS,
     TOOL_MASKS,
-    TOOL_STATS,
-    TRAJECTORY_SUMMARIES,
     TRAJECTORY_TOOLS,
     ServerToolGroupSampler,
     TrajectoryTools,
+    tool_stats,
+    trajectory_summaries,
 )
 from ..agents.tool_call_continuation import ContinuationLimits
 from ..agents.tool_runner import ToolStats, bounded_call
@@ -201,8 +201,8 @@ class AsyncToolLoopMixin:
             raise RuntimeError("the first turns TRL parsed are not the producer's (the rollout's order changed).")
         stats = ToolStats()
         for group in groups:
-            stats.merge(group.extras[TOOL_STATS])
-        summaries = [summary for group in groups for summary in group.extras[TRAJECTORY_SUMMARIES]]
+            stats.merge(tool_stats(group.extras))
+        summaries = [summary for group in groups for summary in trajectory_summaries(group.extras)]
         self._record_tool_loop(stats, summaries, None, {}, "train")
         # Full weights: a reload between two turns of a trajectory (the later ones sampled by the newer version).
         crossed = [len(set(summary.turn_versions)) > 1 for summary in summaries]
