@@ -91,6 +91,9 @@ def test_concurrent_turns_equal_trls_lockstep_loop(tmp_path, default_model_dir, 
     assert tool_mask == lockstep[0]
     assert completions == lockstep[1]
     assert (calls, failures) == (lockstep[4], lockstep[5]) == (16, 0)  # 8 trajectories x 2 rounds, none failed
+    # The calls are written as the template writes them: before each later turn, the held ids are a prefix of the
+    # template's rendering of the whole conversation (the check ran: prefix_mismatch="keep" is the default).
+    assert logged(trainer, "agents/prefix_mismatches") == [0.0]
     for ours, theirs in zip(logprobs, lockstep[3], strict=True):
         assert ours == pytest.approx(theirs, abs=1e-5)
     # By hand for one trajectory: call, result, call, result, call; each call ends on the end token (trained).

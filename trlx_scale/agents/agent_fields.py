@@ -8,6 +8,7 @@ from ..options import registers_options
 
 TOOL_SCHEDULINGS = ("concurrent", "lockstep")
 TOOL_RESPONSE_OVERFLOW = ("truncate", "drop")
+PREFIX_MISMATCH = ("keep", "discard", "off")
 
 
 # A plain TRL config runs TRL's own loop, as TRL does.
@@ -66,6 +67,20 @@ class AgentFields:
         },
     )
 
+    prefix_mismatch: str = field(
+        default="keep",
+        metadata={
+            "help": "Under tool_scheduling='concurrent' (and AsyncGRPOTrainer's tools): before each later turn, the "
+            "held ids (the tokens sampled, the tool results rendered alone) are checked to be a prefix of the chat "
+            "template's rendering of the whole conversation, as TRL renders prompts. A mismatch means a re-tokenizing "
+            "stack would train other tokens than the sampled ones (a template that rewrites history, a tool call "
+            "written otherwise than the template writes it). 'keep' trains the sampled tokens and counts it "
+            "(agents/prefix_mismatches), 'discard' ends the trajectory there and masks it out of the loss "
+            "(agents/stopped_prefix_mismatch_frac), 'off' renders nothing.",
+            "choices": list(PREFIX_MISMATCH),
+        },
+    )
+
     def validate_agent_fields(self) -> None:
         if self.tool_scheduling not in TOOL_SCHEDULINGS:
             raise ValueError(
@@ -81,4 +96,9 @@ class AgentFields:
         if self.tool_response_overflow not in TOOL_RESPONSE_OVERFLOW:
             raise ValueError(
                 f"tool_response_overflow must be one of {TOOL_RESPONSE_OVERFLOW}, got {self.tool_response_overflow!r}."
+            )
+        if self.prefix_mismatch not in PREFIX_MISMATCH:
+            raise ValueError(
+                f"prefix_mismatch must be one of {PREFIX_MISMATCH}, got {self.prefix_mismatch!r} ('keep' counts a "
+                "mismatch, 'discard' masks the trajectory out of the loss, 'off' does not check)."
             )

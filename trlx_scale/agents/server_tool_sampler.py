@@ -73,6 +73,7 @@ class TrajectorySummary:
     tool_rounds: int
     truncated_tool_responses: int
     stop_reason: str
+    prefix_mismatches: int = 0
     turn_versions: tuple[int, ...] = ()  # the policy version of each sampled turn, the first included
 
 
@@ -127,6 +128,8 @@ class ServerToolGroupSampler:
         tool_timeout: float,
         executor: Executor,
         fit_tool_message: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] | None = None,
+        prefix_mismatch_at: Callable[[list[dict[str, Any]], list[int], Any], int | None] | None = None,
+        prefix_mismatch: str = "keep",
     ):
         self.client = client
         self.tools_for = tools_for
@@ -137,6 +140,7 @@ class ServerToolGroupSampler:
         self.tool_timeout = tool_timeout
         self.executor = executor
         self.fit_tool_message = fit_tool_message
+        self.prefix_mismatch_at, self.prefix_mismatch = prefix_mismatch_at, prefix_mismatch
 
     async def sample(self, request: GroupRequest) -> SampledGroup:
         tools = list(await self.tools_for(request))
@@ -171,6 +175,8 @@ class ServerToolGroupSampler:
             limits=self.limits,
             stats=stats,
             fit_tool_message=self.fit_tool_message,
+            prefix_mismatch_at=self.prefix_mismatch_at,
+            prefix_mismatch=self.prefix_mismatch,
         )
         return SampledGroup(
             completion_ids=[state.completion_ids for state in states],
@@ -192,6 +198,7 @@ class ServerToolGroupSampler:
                             tool_rounds=state.tool_rounds,
                             truncated_tool_responses=state.truncated_tool_responses,
                             stop_reason=state.stop_reason,
+                            prefix_mismatches=state.prefix_mismatches,
                             turn_versions=tuple(state.turn_versions),
                         )
                     )

@@ -57,6 +57,8 @@ class TrajectoryState:
     tool_rounds: int = 0
     truncated_tool_responses: int = 0
     stop_reason: str = "done"  # one of STOP_REASONS
+    prefix_mismatches: int = 0  # turns whose held ids were not a prefix of the template's rendering
+    discarded: bool = False  # prefix_mismatch="discard" masked it out of the loss
     # The policy version of each sampled turn, the first included, where the sampler reports one (the servers:
     # with full weights a reload between two turns makes the later one newer).
     turn_versions: list[int] = dataclasses.field(default_factory=list)
@@ -64,8 +66,9 @@ class TrajectoryState:
 
 # Why a trajectory ended: "done" (its last turn called no tool), "length" (its last turn was cut at its token limit:
 # its call, if any, is not run), "budget" (a tool result would not fit: rolled back, TRL's rule), "tool_rounds" (it
-# called a tool past max_tool_calling_iterations).
-STOP_REASONS = ("done", "length", "budget", "tool_rounds")
+# called a tool past max_tool_calling_iterations), "prefix_mismatch" (prefix_mismatch="discard": its held ids were
+# not a prefix of the template's rendering; masked out of the loss).
+STOP_REASONS = ("done", "length", "budget", "tool_rounds", "prefix_mismatch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +90,15 @@ async def continue_trajectory(
     seed: int,
     stats: ToolStats,
     fit_tool_message: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] | None = None,
+    prefix_mismatch_at: Callable[[list[dict[str, Any]], list[int], Any], int | None] | None = None,
+    prefix_mismatch: str = "keep",
 ) -> TrajectoryState:
     """Runs the trajectory's tool rounds and later turns (the module docstring's steps); returns ``state``.
-    ``fit_tool_message`` caps a tool result's tokens (``TurnBudget.fit_tool_message``); None: no cap."""
+    ``fit_tool_message`` caps a tool result's tokens (``TurnBudget.fit_tool_message``); None: no cap.
+    ``prefix_mismatch_at(conversation, held ids, tools)``: where the held ids stop being a prefix of the template's
+    rendering of the conversation (None: they are one), checked before each later turn; ``prefix_mismatch`` is the
+    policy (``agent_fields.PREFIX_MISMATCH``: "keep" counts it, "discard" ends the trajectory and masks it out of the
+    loss, "off" does not check)."""
     tool_calls = state.completion[-1].get("tool_calls") if state.completion else None
     while tool_calls:
         if state.last_turn_cut:
@@ -126,6 +135,14 @@ async def continue_trajectory(
             del state.prompt[prompt_before:]
             state.stop_reason = "budget"
             break
+        if prefix_mismatch_at is not None and prefix_mismatch != "off":
+            if prefix_mismatch_at(state.prompt, held, state.tools) is not None:
+                state.prefix_mismatches += 1
+                if prefix_mismatch == "discard":
+                    del state.completion[completion_before:]
+                    del state.prompt[prompt_before:]
+                    state.discarded, state.stop_reason = True, "prefix_mismatch"
+                    break
         max_tokens = min(limits.max_completion_length - used, limits.max_model_len - len(held))
         if limits.max_turn_tokens is not None:
             max_tokens = min(max_tokens, limits.max_turn_tokens)
@@ -149,6 +166,8 @@ async def continue_trajectory(
         tool_calls = message.get("tool_calls")
         state.tool_rounds += 1
         state.stop_reason = "done"
+    if state.discarded:
+        state.tool_mask = [0] * len(state.tool_mask)  # out of the loss and its normaliser
     return state
 
 

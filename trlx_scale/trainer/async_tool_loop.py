@@ -103,6 +103,8 @@ class AsyncToolLoopMixin:
             tool_timeout=option(self.args, "tool_timeout"),
             executor=self._tool_executor,
             fit_tool_message=fit,
+            prefix_mismatch_at=self._template_prefix_check(tokenizer),
+            prefix_mismatch=option(self.args, "prefix_mismatch"),
         )
 
     # ---------------------------------------------------------------- the producer's thread

@@ -103,6 +103,8 @@ class ConcurrentToolLoopMixin:
                         limits=limits,
                         stats=stats,
                         fit_tool_message=self._tool_response_cap(limits),
+                        prefix_mismatch_at=self._template_prefix_check(self.processing_class),
+                        prefix_mismatch=option(self.args, "prefix_mismatch"),
                     )
                 )
         finally:
@@ -129,6 +131,30 @@ class ConcurrentToolLoopMixin:
             tool_response_overflow=option(self.args, "tool_response_overflow"),
         )
         return lambda message: budget.fit_tool_message(message, self._tokenizer)
+
+    def _template_prefix_check(self, processing_class):
+        """``prefix_mismatch_at(conversation, held ids, tools)`` on ``processing_class``: where the held ids stop
+        being a prefix of the chat template's rendering of the conversation, rendered as TRL renders prompts (its
+        chat template and kwargs, the rollout's tools), with the next assistant header; None if they are one."""
+
+        def mismatch_at(conversation: list, held: list[int], tools) -> int | None:
+            rendered = processing_class.apply_chat_template(
+                conversation,
+                tools=tools or None,  # TRL's `or None`
+                chat_template=self.chat_template,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                **self.chat_template_kwargs,
+            )
+            if isinstance(rendered, dict) or hasattr(rendered, "input_ids"):  # a BatchEncoding
+                rendered = rendered["input_ids"]
+            for position, token in enumerate(held):
+                if position >= len(rendered) or rendered[position] != token:
+                    return position
+            return None
+
+        return mismatch_at
 
     def _lockstep_reason(self, images, multimodal_fields) -> str | None:
         """Why this rollout's tool turns run in TRL's loop, or None for the concurrent one."""
@@ -163,7 +189,8 @@ class ConcurrentToolLoopMixin:
         self, stats: ToolStats, states, max_in_flight: int | None, engine_metrics: dict, mode: str
     ) -> None:
         """The ``tools/*`` and ``agents/*`` metrics of a rollout's trajectories (``states``: anything with their
-        ``tool_rounds``, ``truncated_tool_responses`` and ``stop_reason``); ``max_in_flight`` None: not measured."""
+        ``tool_rounds``, ``truncated_tool_responses``, ``prefix_mismatches`` and ``stop_reason``); ``max_in_flight``
+        None: not measured."""
         metrics = self._metrics[mode]
         for name, value in stats.as_metrics().items():
             if name != "tools/failure_frequency":  # TRL logs its own, from the counts this loop returns
@@ -174,6 +201,7 @@ class ConcurrentToolLoopMixin:
         if max_in_flight is not None:
             metrics["agents/later_turns_max_in_flight"].append(float(max_in_flight))
         metrics["agents/truncated_tool_responses"].append(float(sum(s.truncated_tool_responses for s in states)))
+        metrics["agents/prefix_mismatches"].append(float(sum(s.prefix_mismatches for s in states)))
         for reason in STOP_REASONS:
             share = sum(state.stop_reason == reason for state in states) / max(len(states), 1)
             metrics[f"agents/stopped_{reason}_frac"].append(share)

@@ -1,0 +1,91 @@
+"""The per-turn prefix check of the concurrent tool loop (agents/tool_call_continuation.py): before each later turn the
+held ids are checked against the template's rendering; "keep" counts a mismatch and trains the sampled tokens,
+"discard" ends the trajectory there and masks it out of the loss, "off" renders nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from trlx_scale.agents.multi_turn_rollout import SampledTurn
+from trlx_scale.agents.tool_call_continuation import ContinuationLimits, TrajectoryState, continue_trajectories
+from trlx_scale.agents.tool_runner import ToolRunner, ToolStats
+
+END = 2
+
+
+class _TwoCallsThenAnswer:
+    """Each trajectory's turn 1 calls the tool again; turn 2 answers."""
+
+    async def sample(self, prompt_ids, max_tokens, seed, turn):
+        return SampledTurn(ids=[10, END] if turn < 2 else [11, END], logprobs=[-0.5, -0.5], finish_reason="stop")
+
+
+def _parse(ids, held, tools):
+    if ids[0] == 10:
+        return {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+    return {"role": "assistant", "content": "done"}
+
+
+def _run(policy: str, checked: list):
+    def mismatch_at(conversation, held, tools):
+        checked.append(len(held))
+        return 3 if held[0] == 8 else None  # trajectory 1's prompt starts with 8: its rendering differs at 3
+
+    states = [
+        TrajectoryState(
+            prompt=[{"role": "user", "content": "q"}],
+            prompt_ids=[first, 1],
+            completion_ids=[10, END],
+            completion=[_parse([10], [], None)],
+            logprobs=[-0.5, -0.5],
+            tool_mask=[1, 1],
+        )
+        for first in (7, 8)
+    ]
+    runners = [ToolRunner({"f": lambda: "r"}, timeout=5) for _ in states]
+    return asyncio.run(
+        continue_trajectories(
+            states,
+            runners,
+            [0, 1],
+            sampler=_TwoCallsThenAnswer(),
+            suffix_ids=lambda messages: [5, 6],
+            parse=_parse,
+            limits=ContinuationLimits(max_completion_length=64, max_model_len=256, max_tool_calling_iterations=4),
+            stats=ToolStats(),
+            prefix_mismatch_at=mismatch_at,
+            prefix_mismatch=policy,
+        )
+    )
+
+
+def test_keep_counts_each_mismatched_turn_and_trains_what_was_sampled():
+    checked: list = []
+    clean, mismatched = _run("keep", checked)
+    assert (clean.prefix_mismatches, mismatched.prefix_mismatches) == (0, 2)  # checked before both later turns
+    assert mismatched.completion_ids == clean.completion_ids == [10, END, 5, 6, 10, END, 5, 6, 11, END]
+    assert mismatched.tool_mask == [1, 1, 0, 0, 1, 1, 0, 0, 1, 1] and mismatched.stop_reason == "done"
+    assert len(checked) == 4
+
+
+def test_discard_ends_the_trajectory_at_the_mismatch_and_masks_it_out_of_the_loss():
+    clean, mismatched = _run("discard", [])
+    assert clean.stop_reason == "done" and not clean.discarded and 1 in clean.tool_mask
+    assert mismatched.discarded and mismatched.stop_reason == "prefix_mismatch"
+    assert mismatched.completion_ids == [10, END] and mismatched.tool_mask == [0, 0]  # its tool results rolled back
+    assert [message["role"] for message in mismatched.completion] == ["assistant"]
+
+
+def test_off_renders_nothing():
+    checked: list = []
+    _, mismatched = _run("off", checked)
+    assert checked == [] and mismatched.prefix_mismatches == 0
+
+
+def test_the_policy_is_checked_by_name(tmp_path):
+    from .helpers.trainers import small_grpo_config
+
+    with pytest.raises(ValueError, match="prefix_mismatch must be one of \\('keep', 'discard', 'off'\\)"):
+        small_grpo_config(tmp_path, prefix_mismatch="realign")
