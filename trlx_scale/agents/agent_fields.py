@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..options import registers_options
+from .trajectory_tokens import PREFIX_MISMATCH_POLICIES
 
 TOOL_SCHEDULINGS = ("concurrent", "lockstep")
 TOOL_RESPONSE_OVERFLOW = ("truncate", "drop")
-PREFIX_MISMATCH = ("keep", "discard", "off")
+PREFIX_MISMATCH = PREFIX_MISMATCH_POLICIES
 
 
 # A plain TRL config runs TRL's own loop, as TRL does.

@@ -61,7 +61,7 @@ class Trajectory:
     tokens: TrajectoryTokens
     completion: list[dict[str, Any]]
     stop_reason: str
-    turn_rewards: list[float]
+    turn_rewards: list[float | None]  # each environment step's reward, in turn order (None: the step gave none)
     final_reward: float | None
     tool_rounds: int
     prefix_mismatches: int  # turns after which the held ids were not a prefix of the template's rendering
@@ -110,10 +110,13 @@ async def run_trajectory(
             stop_reason = "tool_rounds"
             break
         step = await environment.step(message)
-        if step.reward is not None:
-            turn_rewards.append(step.reward)
+        turn_rewards.append(step.reward)
         if step.done:
             stop_reason = "done"
+            break
+        if not budget.tool_rounds_left(rounds):
+            # An environment that answers every turn (no tool call to count) is bounded by the same rounds.
+            stop_reason = "tool_rounds"
             break
         answers = []
         for answer in step.messages:
@@ -130,7 +133,7 @@ async def run_trajectory(
         conversation += answers
         completion += answers
         tokens.add_observation(observation)
-        if renderer.first_mismatch(conversation, tokens.context_ids) is not None:
+        if prefix_mismatch != "off" and renderer.first_mismatch(conversation, tokens.context_ids) is not None:
             mismatches += 1
             tokens.discarded = tokens.discarded or prefix_mismatch == "discard"
     return Trajectory(

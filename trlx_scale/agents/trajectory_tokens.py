@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-PREFIX_MISMATCH_POLICIES = ("keep", "discard")
+PREFIX_MISMATCH_POLICIES = ("keep", "discard", "off")  # "off": no check
 TOOL_RESPONSE_OVERFLOW = ("truncate", "drop")
 
 

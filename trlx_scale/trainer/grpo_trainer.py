@@ -30,6 +30,7 @@ from transformers.utils import logging
 from trl import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
+from ..agents.gym_rollout import GymRollout
 from ..auto_switch import resolve_switch
 from ..compat import old_logprob_pass
 from ..generation.cpu_environment import configure_vllm_cpu_environment
@@ -50,6 +51,7 @@ from ..rollout.batch import RolloutBatch
 from .concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
 from .features import TrainerFeatures
 from .grpo_config import GRPOConfig
+from .gym_rollout_mixin import GymRolloutMixin
 from .padding_free_mixin import PaddingFreeMixin
 from .rank_balance_mixin import RankBalanceMixin
 
@@ -69,7 +71,9 @@ logger = logging.get_logger(__name__)
 ROLLOUT_STATE_NAME = "rollout_state_rank{}.pt"
 
 
-class GRPOTrainer(ConcurrentToolLoopMixin, RankBalanceMixin, PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer):
+class GRPOTrainer(
+    GymRolloutMixin, ConcurrentToolLoopMixin, RankBalanceMixin, PaddingFreeMixin, TrainerFeatures, TRLGRPOTrainer
+):
     """Group Relative Policy Optimization, as [`trl.GRPOTrainer`], with trlx_scale's scaling features.
 
     The constructor mirrors TRL's argument for argument (a contract test compares the signatures), so a script
@@ -117,6 +121,8 @@ class GRPOTrainer(ConcurrentToolLoopMixin, RankBalanceMixin, PaddingFreeMixin, T
         if args is not None:
             check_launch_matches(args)
             check_tracker_uploads(args)
+        if isinstance(rollout_func, GymRollout):
+            reward_funcs = with_gym_reward_columns(reward_funcs, rollout_func, args)
         # Each synchronous reward function reports its failures on every rank (trlx_scale.reliability).
         reward_funcs = guard_reward_functions(reward_funcs, option(args, "reward_errors"))
         super().__init__(
@@ -200,6 +206,7 @@ class GRPOTrainer(ConcurrentToolLoopMixin, RankBalanceMixin, PaddingFreeMixin, T
     def _generate_and_score_completions(self, inputs):
         version = self.policy_version  # the engine serves it for this rollout (ensure_version)
         self._rollout_rewards = None
+        self._rollout_rows = inputs  # a GymRollout's environments reset from them (gym_rollout_mixin)
         try:
             if self._defers_old_logprobs():
                 # TRL's separate old-policy pass is skipped; the loss pass fills the correction (_deferred_correction).
@@ -209,7 +216,7 @@ class GRPOTrainer(ConcurrentToolLoopMixin, RankBalanceMixin, PaddingFreeMixin, T
                 output = super()._generate_and_score_completions(inputs)
             rewards_per_func = self._rollout_rewards
         finally:
-            self._rollout_rewards = None
+            self._rollout_rewards = self._rollout_rows = None
         if rewards_per_func is None:
             raise RuntimeError("TRL's rollout returned without computing rewards (_calculate_rewards was not called).")
         batch = RolloutBatch.from_trl(
@@ -550,6 +557,21 @@ class GRPOTrainer(ConcurrentToolLoopMixin, RankBalanceMixin, PaddingFreeMixin, T
         ):
             if self._metrics[mode].get(source):
                 self._metrics[mode][target] = list(self._metrics[mode][source])
+
+
+def with_gym_reward_columns(reward_funcs: Any, gym: GymRollout, args: Any) -> list:
+    """The user's reward functions followed by a ``GymRollout``'s reward columns (agents/gym_rollout.py)."""
+    user = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
+    columns = gym.reward_functions()
+    weights = getattr(args, "reward_weights", None)
+    if weights is not None and len(weights) != len(user) + len(columns):
+        names = ", ".join(function.__name__ for function in columns)
+        raise ValueError(
+            f"reward_weights has {len(weights)} entries; with rollout_func=GymRollout(...) the reward columns are "
+            f"the {len(user)} reward_funcs followed by the environment's ({names}): give {len(user) + len(columns)} "
+            "weights in that order."
+        )
+    return user + columns
 
 
 def _policy_version_of(trainer: GRPOTrainer) -> Callable[[], int]:

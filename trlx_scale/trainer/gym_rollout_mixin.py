@@ -1,0 +1,87 @@
+"""``GymRolloutMixin``: ``GRPOTrainer(rollout_func=GymRollout(...))`` runs gym-style episodes on the colocated engine.
+
+TRL's ``_generate`` hands a ``rollout_func`` the batch's prompts and the trainer, and trains on what it returns
+(``agents.gym_rollout``). This mixin is the trainer's side of that call for a ``GymRollout``: the episodes run on
+trlx_scale's colocated engine inside one engine round (``serving_turns``: the trainer's current weights, the engine
+asleep afterwards), each at its own pace (``ColocatedTurnSampler``: vLLM's continuous batching takes whatever turns
+are ready), each with a seed from the run's seed, the rank, the step and its index (a resumed run samples what the
+uninterrupted one sampled), under the trainer's budgets and prefix policy. The environments' ``reset`` gets the
+dataset row of its prompt: the rows of the ``_generate_and_score_completions`` call in progress (``_rollout_rows``,
+set there for that call only, since TRL's contract hands ``rollout_func`` the prompts alone).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trl.chat_template_utils import parse_response
+
+from ..agents.colocated_turn_sampler import ColocatedTurnSampler
+from ..agents.gym_rollout import GymRollout
+from ..agents.multi_turn_rollout import trajectory_metrics
+from ..agents.trajectory_tokens import ObservationRenderer, TurnBudget
+from ..options import option
+from .concurrent_tool_loop_mixin import _run_blocking
+
+
+class GymRolloutMixin:
+    """Part of ``GRPOTrainer`` (see the module docstring); needs ``ConcurrentToolLoopMixin``'s seeds."""
+
+    _rollout_rows: list[dict[str, Any]] | None = None
+
+    def _gym_rollout(self, gym: GymRollout, prompts: list) -> dict[str, list]:
+        engine = self._rollout_engine()
+        if engine is None:
+            raise ValueError(
+                "GymRollout runs its episodes on trlx_scale's colocated vLLM engine: set use_vllm=True and "
+                "vllm_mode='colocate' (or use AsyncGRPOTrainer for the servers)."
+            )
+        rows = self._rollout_rows if self._rollout_rows is not None else [{} for _ in prompts]
+        if len(rows) != len(prompts):
+            raise RuntimeError(f"GymRollout got {len(prompts)} prompts for {len(rows)} rows of the batch.")
+        mode = "train" if self.model.training else "eval"
+        with self.phase_timer.phase("generation"), engine.serving_turns() as llm:
+            sampler = ColocatedTurnSampler(
+                llm, lora_request=engine.llm.lora_request, sampling_params=engine.turn_sampling_params
+            )
+            trajectories = _run_blocking(
+                gym.run_episodes(
+                    prompts,
+                    rows,
+                    [self._trajectory_seed(index, mode) for index in range(len(prompts))],
+                    sampler=sampler,
+                    renderer=ObservationRenderer(self.processing_class, chat_template=self.chat_template),
+                    parse=self._gym_turn_parser(),
+                    budget=self._gym_budget(llm.llm_engine.model_config.max_model_len),
+                    tokenizer=self._tokenizer,
+                    prefix_mismatch=option(self.args, "prefix_mismatch"),
+                )
+            )
+        output = gym.trl_output(trajectories)
+        self._count_generation(output["prompt_ids"], output["completion_ids"])
+        metrics = self._metrics[mode]
+        for name, value in trajectory_metrics(trajectories).items():
+            metrics[name].append(value)
+        if sampler.max_in_flight:
+            metrics["agents/later_turns_max_in_flight"].append(float(sampler.max_in_flight))
+        for name, value in engine.pop_metrics().items():
+            metrics[name].append(value)
+        return output
+
+    def _gym_budget(self, max_model_len: int) -> TurnBudget:
+        return TurnBudget(
+            max_completion_length=self.max_completion_length,
+            max_model_len=max_model_len,
+            max_turn_tokens=option(self.args, "max_turn_tokens"),
+            max_tool_calling_iterations=self.max_tool_calling_iterations,
+            max_tool_response_tokens=option(self.args, "max_tool_response_tokens"),
+            tool_response_overflow=option(self.args, "tool_response_overflow"),
+        )
+
+    def _gym_turn_parser(self):
+        """An assistant turn's message: TRL's ``parse_response`` where the tokenizer has a response template (tool
+        calls read as TRL reads them), else the decoded text, as TRL decodes completions without one."""
+        tokenizer = self._tokenizer
+        if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
+            return lambda ids: parse_response(tokenizer, ids)
+        return lambda ids: {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
