@@ -975,6 +975,73 @@ def test_a_reasoning_gym_task_runs_through_the_async_trainer(server, default_mod
             assert reward == (1.0 if "correct" in answered else 0.0)
 
 
+class _RecordingGymTrainer(AsyncGRPOTrainer):
+    """Keeps what TRL's rollout returned and scored (the trainer's own code runs unchanged)."""
+
+    def _generate(self, prompts):
+        self.generations = getattr(self, "generations", []) + [super()._generate(prompts)]
+        return self.generations[-1]
+
+    def _calculate_rewards(self, inputs, *args):
+        self.scored = getattr(self, "scored", []) + [(list(inputs), super()._calculate_rewards(inputs, *args))]
+        return self.scored[-1][1]
+
+
+def test_gym_episodes_run_in_the_producer(server, default_model_dir, default_tokenizer, tmp_path):
+    """rollout_func=GymRollout(...) under AsyncGRPOTrainer (max_staleness=1): the producer runs each group's episodes
+    on the server, its environments reset from the group's row; every episode passes the same checks as
+    GRPOTrainer's (helpers/gym_episodes.check_episodes: masks, per-step rewards discounted, the environment's own
+    reward, the trajectory handed to the reward functions), and the behaviour log-probs are the trainer's."""
+    from datasets import Dataset
+
+    from trlx_scale.agents.gym_rollout import GymRollout
+
+    from .helpers.gym_episodes import DISCOUNT, ROWS, AskAgain, check_episodes, count_messages
+
+    with pytest.raises(ValueError, match="takes rollout_func=GymRollout"):
+        AsyncGRPOTrainer(
+            model=default_model_dir,
+            args=small_grpo_config(tmp_path / "x", AsyncGRPOConfig),
+            rollout_func=lambda prompts, trainer: {},
+            reward_funcs=count_messages,
+        )
+    trainer = _RecordingGymTrainer(
+        model=default_model_dir,
+        reward_funcs=count_messages,
+        args=small_grpo_config(
+            tmp_path / "gym",
+            AsyncGRPOConfig,
+            vllm_server_base_url=server.url,
+            max_steps=2,
+            max_staleness=1,
+            max_completion_length=96,
+            max_turn_tokens=12,
+            max_tool_calling_iterations=5,
+        ),
+        train_dataset=Dataset.from_list(ROWS * 4),
+        processing_class=default_tokenizer,
+        rollout_func=GymRollout(AskAgain, turn_reward_discount=DISCOUNT),
+    )
+    trainer.train()
+    done = 0
+    for generation, (inputs, rewards) in zip(trainer.generations, trainer.scored, strict=True):
+        _, completion_ids, masks, _, _, extra = generation[:6]
+        done += check_episodes(
+            default_tokenizer,
+            inputs,
+            completion_ids,
+            masks,
+            rewards.tolist(),
+            extra["trajectory"],
+            extra["stop_reason"],
+        )
+    assert done >= 8
+    assert logged(trainer, "async/staleness_max") == [0.0, 1.0]
+    assert min(logged(trainer, "agents/turns_mean")) > 1.0
+    assert max(logged(trainer, "sampling/sampling_logp_difference/max")) < 1e-3
+    assert max(logged(trainer, "async/sampler_trainer_kl")) < 1e-3  # observations are not behaviour samples
+
+
 class _Observing:
     def reset(self, **row):
         return "an observation"
@@ -1018,7 +1085,7 @@ def test_what_the_async_trainer_cannot_do_with_tools_is_refused_by_name(
 
     with pytest.raises(ValueError, match="does not evaluate yet: set eval_strategy='no'"):
         build("eval", eval_strategy="steps", eval_steps=1)
-    with pytest.raises(ValueError, match="does not take rollout_func"):
+    with pytest.raises(ValueError, match="takes rollout_func=GymRollout"):
         build("rollout", rollout_func=lambda prompts, trainer: {})
     trainer = build("observing", environment_factory=_Observing, max_steps=1)
     with pytest.raises(RolloutProducerError, match="reset returned an observation"):

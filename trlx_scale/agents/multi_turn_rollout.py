@@ -66,6 +66,7 @@ class Trajectory:
     tool_rounds: int
     prefix_mismatches: int  # turns after which the held ids were not a prefix of the template's rendering
     truncated_tool_responses: int
+    turn_versions: list[int] = dataclasses.field(default_factory=list)  # each turn's policy version, where known
 
     @property
     def stopped_cleanly(self) -> bool:
@@ -93,6 +94,7 @@ async def run_trajectory(
     conversation, completion, turn_rewards = list(opening), [], []
     rounds = mismatches = truncated = 0
     stop_reason = "budget"
+    versions: list[int] = []
     while True:
         max_tokens = budget.next_turn_tokens(tokens)
         if max_tokens == 0:
@@ -100,6 +102,8 @@ async def run_trajectory(
             break
         turn = await sampler.sample(tokens.context_ids, max_tokens, seed, tokens.turns)
         tokens.add_sampled(turn.ids, turn.logprobs)
+        if turn.version is not None:
+            versions.append(turn.version)
         message = parse(turn.ids)
         conversation.append(message)
         completion.append(message)
@@ -146,6 +150,7 @@ async def run_trajectory(
         tool_rounds=rounds,
         prefix_mismatches=mismatches,
         truncated_tool_responses=truncated,
+        turn_versions=versions,
     )
 
 

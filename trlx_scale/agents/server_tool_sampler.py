@@ -90,7 +90,7 @@ def trajectory_summaries(extras: dict[str, Any]) -> list[TrajectorySummary]:
     ]
 
 
-class _ReplicaTurns:
+class ReplicaTurns:
     """A ``TurnSampler`` on one replica: the group's later turns, by its first turn's version or, with full weights
     reloaded since, by the servers' newer one (``VLLMServerClient.sample_turn``)."""
 
@@ -169,7 +169,7 @@ class ServerToolGroupSampler:
             states,
             [ToolRunner(own.functions, timeout=self.tool_timeout, executor=self.executor) for own in tools],
             [trajectory_seed(request.seed, position) for position in range(len(states))],
-            sampler=_ReplicaTurns(self.client, first.version, request.index),
+            sampler=ReplicaTurns(self.client, first.version, request.index),
             suffix_ids=self.suffix_ids,
             parse=self.parse,
             limits=self.limits,

@@ -246,11 +246,18 @@ class ServerGeneration:
             raise ValueError("asynchronous generation takes text prompts only (the batch has images).")
         if self._seed_context is not None and self._seed_context.mode == "eval":
             return self._generate_for_evaluation(prompts, num_generations)
-        count = len(prompts) // num_generations
+        groups = self.take_groups(len(prompts) // num_generations, prompts[::num_generations])
+        completion_ids = [ids for group in groups for ids in group.sampled.completion_ids]
+        logprobs = [[[value] for value in values] for group in groups for values in group.sampled.logprobs]
+        return list(prompts), completion_ids, logprobs, None
+
+    def take_groups(self, count: int, prompt_ids: list[list[int]] | None = None) -> list:
+        """The producer's next ``count`` scored groups (the same error on every rank if any rank fails), kept as
+        ``last_groups``; ``prompt_ids``: the trainer's tokenization of each group's prompt, checked against the
+        producer's (None: the rollout renders its own prompts, a ``GymRollout``)."""
         with failing_together(self.accelerator, "taking this step's rollout groups"):
             groups = self.producer.take(count, timeout=self.request_timeout)
-            for position, group in enumerate(groups):
-                row = prompts[position * num_generations]
+            for group, row in zip(groups, prompt_ids or [], strict=False):
                 if list(row) != list(group.sampled.prompt_ids):
                     raise RuntimeError(
                         f"group {group.index}: the producer sampled another prompt than the one the trainer "
@@ -258,11 +265,9 @@ class ServerGeneration:
                         "the tokenizer settings differ between the two."
                     )
         self.last_groups = groups
-        completion_ids = [ids for group in groups for ids in group.sampled.completion_ids]
-        logprobs = [[[value] for value in values] for group in groups for values in group.sampled.logprobs]
         for name, value in self.producer.pop_metrics().items():
             self._metrics[name] = value
-        return list(prompts), completion_ids, logprobs, None
+        return groups
 
     def _generate_for_evaluation(self, prompts, num_generations):
         """Evaluation's prompts are not the producer's stream: sampled now, by the version served (the trainer's

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from accelerate.utils import gather
 
+from ..agents.gym_rollout import GymRollout
 from ..generation.engine import build_engine
 from ..generation.server_client import SamplingSettings, VLLMServerClient
 from ..generation.server_generation import ServerGeneration
@@ -62,9 +63,10 @@ from ..rollout.staleness import StalenessSchedule
 from .async_behaviour_metrics import AsyncBehaviourMetricsMixin
 from .async_checkpoint_window import AsyncCheckpointWindowMixin
 from .async_grpo_config import AsyncGRPOConfig
+from .async_gym_rollout import AsyncGymRolloutMixin
 from .async_producer_feed import AsyncProducerFeedMixin
 from .async_server_launch import AsyncServerLaunchMixin
-from .async_tool_loop import AsyncToolLoopMixin
+from .async_tool_loop import AsyncToolLoopMixin, served_context
 from .grpo_trainer import GRPOTrainer
 
 if TYPE_CHECKING:
@@ -80,6 +82,7 @@ if TYPE_CHECKING:
 
 
 class AsyncGRPOTrainer(
+    AsyncGymRolloutMixin,
     AsyncToolLoopMixin,
     AsyncServerLaunchMixin,
     AsyncProducerFeedMixin,
@@ -117,11 +120,11 @@ class AsyncGRPOTrainer(
                 f"AsyncGRPOTrainer needs an AsyncGRPOConfig (got {type(args).__name__}): "
                 "from trlx_scale import AsyncGRPOConfig."
             )
-        if rollout_func is not None:
+        if rollout_func is not None and not isinstance(rollout_func, GymRollout):
             raise ValueError(
-                "AsyncGRPOTrainer does not take rollout_func: the producer samples on the servers, ahead of the "
-                "trainer. Use tools or an environment_factory (trajectories run by the producer), or GRPOTrainer "
-                "for a custom rollout."
+                "AsyncGRPOTrainer takes rollout_func=GymRollout(...) only (its episodes run in the producer, on the "
+                "servers, ahead of the trainer); a custom rollout_func samples on the trainer's thread, when TRL "
+                "calls it. Use tools, an environment_factory or a GymRollout, or GRPOTrainer for a custom rollout."
             )
         if reward_funcs is None:  # an environment's get_reward may be the only reward source (TRL checks there is one)
             functions = []
@@ -151,12 +154,14 @@ class AsyncGRPOTrainer(
             quantization_config=quantization_config,
             peft_config=peft_config,
             tools=tools,
+            rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
         self.args.use_vllm = True
         self.use_vllm = True
         self._check_vllm_only_options()
         self._check_async_tools()
+        self._check_async_gym()
         # TRL's list, with GRPOTrainer's guard around each synchronous function (reward_errors, non-finite rewards).
         self._async_reward_funcs = list(self.reward_funcs)
         self._last_loaded_step = -1
@@ -239,7 +244,7 @@ class AsyncGRPOTrainer(
             raise
         producer = RolloutProducer(
             prompt_for=self._producer_prompt,
-            sampler=self._tool_group_sampler(client) if self.tools else client,
+            sampler=self._group_sampler(client),
             score=self._score_group,
             schedule=self._schedule,
             num_generations=self.num_generations,
@@ -270,6 +275,15 @@ class AsyncGRPOTrainer(
             weights_dtype=weights_dtype,
             transport=transport,
         )
+
+    def _group_sampler(self, client: VLLMServerClient) -> Any:
+        """What samples the producer's groups: whole episodes (a GymRollout), whole tool trajectories, or the
+        client's single-turn groups."""
+        if self._uses_gym_rollout():
+            return self._gym_group_sampler(client, served_context(client))
+        if self.tools:
+            return self._tool_group_sampler(client)
+        return client
 
     # ---------------------------------------------------------------- the rollout
     def _generate_and_score_completions(self, inputs):

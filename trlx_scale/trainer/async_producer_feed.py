@@ -93,6 +93,8 @@ class AsyncProducerFeedMixin:
                 completions = [[{"role": "assistant", "content": text}] for text in texts]
             else:
                 completions = texts
+        if self._uses_gym_rollout():  # the episodes' extra fields (AsyncGymRolloutMixin), as TRL merges them
+            columns.update(self._gym_group_reward_inputs(sampled))
         log = GroupRewardLog(size)  # replayed at the step that trains the group (rollout/reward_logs.py)
         sampled.extras[REWARD_LOG_KEY] = log
         try:

@@ -74,7 +74,7 @@ class AsyncToolLoopMixin:
         """The producer's sampler of whole trajectories (``agents.server_tool_sampler``)."""
         tokenizer = self._producer_tokenizer  # the producer's own copy: tokenizers are not thread-safe
         self._tool_executor = ThreadPoolExecutor(max_workers=MAX_TOOL_THREADS, thread_name_prefix="trlx-scale-tool")
-        context = min(entry["max_model_len"] for url in client.base_urls for entry in _base_models(client, url))
+        context = served_context(client)
         limits = ContinuationLimits(
             max_completion_length=self.max_completion_length,
             max_model_len=context,
@@ -225,5 +225,11 @@ class AsyncToolLoopMixin:
             self._tool_executor = None
 
 
-def _base_models(client: Any, url: str) -> list[dict[str, Any]]:
-    return [entry for entry in client.served_models(url) if entry.get("parent") is None]
+def served_context(client: Any) -> int:
+    """The smallest context among the servers' base models: what a trajectory's tokens must fit."""
+    return min(
+        entry["max_model_len"]
+        for url in client.base_urls
+        for entry in client.served_models(url)
+        if entry.get("parent") is None
+    )

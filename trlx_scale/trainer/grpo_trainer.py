@@ -122,6 +122,11 @@ class GRPOTrainer(
             check_launch_matches(args)
             check_tracker_uploads(args)
         if isinstance(rollout_func, GymRollout):
+            if tools or environment_factory:
+                raise ValueError(
+                    "rollout_func=GymRollout(...) runs gym-style environments (reset/step); tools and "
+                    "environment_factory run TRL's tool environments: pass one or the other."
+                )
             reward_funcs = with_gym_reward_columns(reward_funcs, rollout_func, args)
         # Each synchronous reward function reports its failures on every rank (trlx_scale.reliability).
         reward_funcs = guard_reward_functions(reward_funcs, option(args, "reward_errors"))

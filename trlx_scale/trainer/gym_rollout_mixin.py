@@ -78,10 +78,11 @@ class GymRolloutMixin:
             tool_response_overflow=option(self.args, "tool_response_overflow"),
         )
 
-    def _gym_turn_parser(self):
+    def _gym_turn_parser(self, tokenizer: Any = None):
         """An assistant turn's message: TRL's ``parse_response`` where the tokenizer has a response template (tool
-        calls read as TRL reads them), else the decoded text, as TRL decodes completions without one."""
-        tokenizer = self._tokenizer
+        calls read as TRL reads them), else the decoded text, as TRL decodes completions without one. ``tokenizer``:
+        the trainer's by default (the asynchronous producer passes its own copy)."""
+        tokenizer = tokenizer if tokenizer is not None else self._tokenizer
         if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
             return lambda ids: parse_response(tokenizer, ids)
         return lambda ids: {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
