@@ -34,6 +34,28 @@ def test_gae_and_returns_match_the_definition_by_hand():
     torch.testing.assert_close(returns, (expected + values) * mask)
 
 
+def test_gae_skips_observations_between_turns_as_if_they_were_not_there():
+    """A multi-turn row (two turns with a tool result between them, then padding) gets the advantages and returns of
+    the same row with the tool result removed, and zeros on the tool result; the score lands on the last sampled
+    token, not at the count of sampled tokens (which would be inside the tool result)."""
+    gamma, lam = 0.9, 0.8
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0]])
+    values = torch.randn(1, 8, dtype=torch.float64)
+    kl = torch.rand(1, 8, dtype=torch.float64)
+    rewards = kl_penalty_rewards(torch.tensor([2.0], dtype=torch.float64), kl * mask, 0.1, mask)
+    assert rewards[0, 6] == pytest.approx(-0.1 * kl[0, 6].item() + 2.0)
+    assert (rewards[0, 2:5] == 0).all() and rewards[0, 7] == 0
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    kept = mask[0].bool()
+    compact = gae(rewards[:, kept], values[:, kept], torch.ones(1, int(kept.sum())), gamma, lam)
+    torch.testing.assert_close(advantages[:, kept], compact[0])
+    torch.testing.assert_close(returns[:, kept], compact[1])
+    assert (advantages[:, ~kept] == 0).all() and (returns[:, ~kept] == 0).all()
+    # The first turn's advantage carries the score earned after the tool result.
+    assert advantages[0, 0] != gae(rewards, values, torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0]]), gamma, lam)[0][0, 0]
+
+
 def test_kl_estimators_and_penalized_rewards():
     logps = torch.tensor([[-1.0, -2.0, -0.5]])
     ref = torch.tensor([[-1.5, -1.0, -0.5]])
@@ -337,3 +359,68 @@ def test_logs_the_model_states_each_role_holds(default_model_dir, tmp_path):
     assert held["critic"] == pytest.approx(expected_gib(trainer.critic), rel=1e-3)
     assert held["reference"] == pytest.approx(expected_gib(trainer.ppo_ref_model), rel=1e-3)
     assert held["critic"] > held["reference"] > 0  # the critic's Adam state is counted, the reference has none
+
+
+def test_ppo_trains_on_gym_episodes_with_observations_out_of_the_loss(default_model_dir, default_tokenizer, tmp_path):
+    """PPOTrainer takes GRPOTrainer's multi-turn rollouts (here rollout_func=GymRollout on the colocated engine): the
+    episodes pass the same checks as GRPOTrainer's (helpers/gym_episodes.check_episodes), and the advantages and
+    returns are zero exactly on the observations (GAE skips them) and nonzero on the sampled tokens."""
+    from datasets import Dataset
+
+    from trlx_scale.agents.gym_rollout import GymRollout
+
+    from .helpers.gym_episodes import DISCOUNT, ROWS, AskAgain, check_episodes, count_messages
+
+    class Recording(PPOTrainer):
+        def _generate(self, prompts):
+            self.generation = super()._generate(prompts)
+            return self.generation
+
+        def _calculate_rewards(self, inputs, *args):
+            self.scored = (list(inputs), super()._calculate_rewards(inputs, *args))
+            return self.scored[1]
+
+        def _finish_rollout(self, batch):
+            self.batch = super()._finish_rollout(batch)
+            return self.batch
+
+    trainer = Recording(
+        model=default_model_dir,
+        reward_funcs=count_messages,
+        args=_args(
+            tmp_path,
+            use_vllm=True,
+            vllm_mode="colocate",
+            max_steps=1,
+            max_completion_length=96,
+            vllm_max_model_length=160,
+            max_turn_tokens=12,
+            max_tool_calling_iterations=5,
+        ),
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=default_tokenizer,
+        peft_config=LORA,
+        rollout_func=GymRollout(AskAgain, turn_reward_discount=DISCOUNT),
+    )
+    trainer.train()
+    _, completion_ids, masks, _, _, extra = trainer.generation[:6]
+    inputs, rewards = trainer.scored
+    assert (
+        check_episodes(
+            default_tokenizer,
+            inputs,
+            completion_ids,
+            masks,
+            rewards.tolist(),
+            extra["trajectory"],
+            extra["stop_reason"],
+        )
+        >= 4
+    )
+    batch = trainer.batch
+    tool_mask = batch.extras["tool_mask"].bool() & batch.completion_mask.bool()
+    observations = batch.completion_mask.bool() & ~batch.extras["tool_mask"].bool()
+    assert observations.any()
+    assert (batch.advantages[observations] == 0).all() and (batch.returns[observations] == 0).all()
+    assert (batch.returns[tool_mask] != 0).all()
+    assert math.isfinite(logged(trainer, "loss")[0]) and logged(trainer, "ppo/value_loss")

@@ -1,7 +1,9 @@
 """Per-token rewards, generalized advantage estimation and whitening over completion tokens (masked, batched).
 
-Shapes: ``(batch, completion_length)`` with a 0/1 ``mask`` of real completion tokens (right padding). Only response
-tokens carry rewards, values and advantages; padded positions come out as zeros.
+Shapes: ``(batch, completion_length)`` with a 0/1 ``mask`` of the tokens the policy acted on: right padding, and in
+a multi-turn trajectory the tool results and environment observations between its turns (0 in the middle of the
+row). Only those tokens carry rewards, values and advantages; the others come out as zeros, and an observation is
+not a step of the episode: GAE runs over the acted tokens in order, as on the row with the observations removed.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ def kl_penalty_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, m
     """Per-token rewards: -kl_coef * KL on every completion token, plus the sequence score on its last real token
     (Ziegler et al. 2019; the InstructGPT/TRL PPO recipe). A sequence with no real token gets nothing."""
     rewards = -kl_coef * kl * mask
-    lengths = mask.sum(dim=1).long()
-    has_tokens = lengths > 0
-    last = (lengths - 1).clamp(min=0)
+    has_tokens = mask.sum(dim=1) > 0
+    # The last position the mask holds (not the count of real tokens: observations may sit between turns).
+    positions = torch.arange(mask.size(1), device=mask.device)
+    last = (positions * (mask > 0)).amax(dim=1)
     rows = torch.arange(scores.size(0), device=scores.device)
     rewards[rows[has_tokens], last[has_tokens]] += scores[has_tokens].to(rewards.dtype)
     return rewards
@@ -43,7 +46,9 @@ def gae(
     """Generalized advantage estimation over each row's real tokens; returns ``(advantages, returns)``.
 
     delta_t = r_t + gamma * V_{t+1} - V_t with V = 0 after the last real token (the episode ends there);
-    A_t = delta_t + gamma * lam * A_{t+1}; returns R_t = A_t + V_t.
+    A_t = delta_t + gamma * lam * A_{t+1}; returns R_t = A_t + V_t. "t+1" is the next masked-in token: positions
+    outside the mask (observations between turns, padding) are skipped, so a turn's advantage carries the later
+    turns' rewards and values through the tool result that separates them.
     """
     rewards, values, mask = rewards * mask, values * mask, mask.to(values.dtype)
     advantages = torch.zeros_like(values)
@@ -54,9 +59,10 @@ def gae(
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         advantage = delta + gamma * lam * next_advantage
         advantages[:, t] = advantage * real
-        # Padding after the last real token must not leak into it: carry zeros through padded positions.
-        next_advantage = advantage * real
-        next_value = values[:, t] * real
+        # A position outside the mask passes the later token's advantage and value through unchanged (after the last
+        # real token they are still the zeros the episode ends with).
+        next_advantage = torch.where(real > 0, advantage, next_advantage)
+        next_value = torch.where(real > 0, values[:, t], next_value)
     return advantages, (advantages + values) * mask
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,6 +97,9 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, PPOCheckpointStateMixin, GRP
         peft_config: PeftConfig | None = None,
         value_model: PreTrainedModel | None = None,
         ref_model: PreTrainedModel | None = None,
+        tools: list[Callable] | None = None,
+        rollout_func: Any | None = None,
+        environment_factory: Any | None = None,
     ):
         if args is None or not isinstance(args, PPOConfig):
             raise ValueError("PPOTrainer needs args=PPOConfig(...) (the critic, GAE and KL fields live there).")
@@ -112,6 +116,11 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, PPOCheckpointStateMixin, GRP
             callbacks=callbacks,
             optimizers=optimizers,
             peft_config=peft_config,
+            # Multi-turn rollouts as GRPOTrainer runs them (agents: tools, TRL environments, GymRollout); their
+            # tool results and observations are outside the loss mask, which GAE skips (ppo.advantages).
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
         )
         self.kl_controller = (
             AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
@@ -195,6 +204,8 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, PPOCheckpointStateMixin, GRP
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         mask = inputs["completion_mask"].float()
+        if "tool_mask" in inputs:  # tool results and observations: no value target, no action (ppo.advantages)
+            mask = mask * inputs["tool_mask"].float()
         length = inputs["completion_ids"].size(1)
         values = self._values(input_ids, attention_mask, length)
         value_loss, value_clip = clipped_value_loss(
