@@ -424,3 +424,50 @@ def test_ppo_trains_on_gym_episodes_with_observations_out_of_the_loss(default_mo
     assert (batch.advantages[observations] == 0).all() and (batch.returns[observations] == 0).all()
     assert (batch.returns[tool_mask] != 0).all()
     assert math.isfinite(logged(trainer, "loss")[0]) and logged(trainer, "ppo/value_loss")
+
+
+def test_ppo_runs_tool_calls_through_the_concurrent_loop(default_model_dir, default_tokenizer, tmp_path):
+    """PPOTrainer with TRL's tools=[fn]: every turn of the untrained model is a call (structured outputs), the tool
+    results are out of the loss mask, and GAE gives them no advantage while the sampled tokens around them get one."""
+    from datasets import Dataset
+
+    from trlx_scale.tasks.tool_chat_template import tool_call_regex, with_tool_template
+
+    def inc(a: int) -> int:
+        """Add one to an integer.
+
+        Args:
+            a: The integer.
+        """
+        return a + 1
+
+    class Recording(PPOTrainer):
+        def _finish_rollout(self, batch):
+            self.batch = super()._finish_rollout(batch)
+            return self.batch
+
+    trainer = Recording(
+        model=default_model_dir,
+        reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+        args=_args(
+            tmp_path,
+            use_vllm=True,
+            vllm_mode="colocate",
+            max_steps=1,
+            max_completion_length=180,
+            vllm_max_model_length=256,
+            vllm_structured_outputs_regex=tool_call_regex("inc", ("a",)),
+            max_tool_calling_iterations=2,
+        ),
+        train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i + 1}"}]} for i in range(2)]),
+        processing_class=with_tool_template(default_tokenizer),
+        peft_config=LORA,
+        tools=[inc],
+    )
+    trainer.train()
+    assert logged(trainer, "tools/calls")[0] > 0
+    batch = trainer.batch
+    sampled = batch.extras["tool_mask"].bool() & batch.completion_mask.bool()
+    tool_tokens = batch.completion_mask.bool() & ~batch.extras["tool_mask"].bool()
+    assert tool_tokens.any()
+    assert (batch.advantages[tool_tokens] == 0).all() and (batch.returns[sampled] != 0).all()
