@@ -13,16 +13,21 @@
   ``trainer/concurrent_tool_loop_mixin.py``; ``agent_fields``: its config fields);
 - ``server_tool_sampler``: ``AsyncGRPOTrainer``'s producer samples whole tool trajectories on the vLLM servers
   (wired by ``trainer/async_tool_loop.py``);
+- ``gym_rollout``: ``GymRollout``, gym-style environments through TRL's ``rollout_func`` contract in every trainer
+  (wired by ``trainer/gym_rollout_mixin.py``; ``server_gym_sampler`` and ``trainer/async_gym_rollout.py`` under
+  ``AsyncGRPOTrainer``);
 - ``reasoning_gym_environment``: Reasoning Gym's tasks as TRL's environment contract.
 """
 
 from .environments import AgentEnvironment, EnvironmentStep, GymEnvironment, ToolEnvironment
+from .gym_rollout import GymRollout
 from .tool_runner import ToolCallResult, ToolRunner, ToolStats
 
 __all__ = [
     "AgentEnvironment",
     "EnvironmentStep",
     "GymEnvironment",
+    "GymRollout",
     "ToolCallResult",
     "ToolEnvironment",
     "ToolRunner",
