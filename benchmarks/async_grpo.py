@@ -139,8 +139,11 @@ class _StepClock:
         self.callback = Callback()
 
 
-def run_server_config(cli, kind: str, max_staleness: int, latency: float, url: str, seed: int, workdir: str) -> float:
-    """Samples per second over steps 3..N of one run (``kind``: "sync" or "async")."""
+def run_server_config(
+    cli, kind: str, max_staleness: int, latency: float, url: str, seed: int, workdir: str, callbacks=()
+) -> float:
+    """Samples per second over steps 3..N of one run (``kind``: "sync" or "async"); ``callbacks``: more trainer
+    callbacks (benchmarks/async_cpu_profile.py)."""
     from peft import LoraConfig
 
     from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
@@ -182,6 +185,8 @@ def run_server_config(cli, kind: str, max_staleness: int, latency: float, url: s
     )
     clock = _StepClock()
     trainer.add_callback(clock.callback)
+    for callback in callbacks:
+        trainer.add_callback(callback)
     trainer.train()
     ends = clock.ends
     del trainer
