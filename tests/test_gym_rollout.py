@@ -11,7 +11,6 @@ from datasets import Dataset
 
 from trlx_scale import GRPOTrainer
 from trlx_scale.agents.gym_rollout import GymRollout, discounted_return
-from trlx_scale.trainer.grpo_trainer import with_gym_reward_columns
 
 from .helpers.gym_episodes import DISCOUNT, ROWS, AskAgain, check_episodes, count_messages
 from .helpers.trainers import small_grpo_config
@@ -36,13 +35,13 @@ def test_bad_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="environment_timeout"):
         GymRollout(AskAgain, environment_timeout=0)
     gym = GymRollout(AskAgain)
-    assert [f.__name__ for f in with_gym_reward_columns(None, gym, None)] == ["AskAgain_turns", "AskAgain"]
+    assert [f.__name__ for f in gym.after_reward_funcs(None, None)] == ["AskAgain_turns", "AskAgain"]
 
     class Args:
         reward_weights = [1.0]
 
     with pytest.raises(ValueError, match="reward_weights has 1 entries.*give 3 weights"):
-        with_gym_reward_columns(count_messages, gym, Args())
+        gym.after_reward_funcs(count_messages, Args())
 
 
 class _Recording(GRPOTrainer):

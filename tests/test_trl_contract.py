@@ -12,19 +12,20 @@ import trlx_scale
 from trlx_scale import AsyncGRPOTrainer, DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
 from trlx_scale.trainer.async_tool_loop import AsyncToolLoopMixin
+from trlx_scale.trainer.colocated_engine_mixin import ColocatedEngineMixin
+from trlx_scale.trainer.concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
+from trlx_scale.trainer.logprob_passes_mixin import LogProbPassesMixin
+from trlx_scale.trainer.loss_pass_correction_mixin import LossPassCorrectionMixin
 
 # TRL's methods each trlx_scale class overrides (its own methods are not pinned: renaming them is trlx_scale's
 # business). The test fails when one disappears or changes signature upstream, and when a class starts to override
 # a TRL method (on purpose or by a name clash): pin it here then.
 TRL_OVERRIDES = {
-    GRPOTrainer: {
-        "_calculate_rewards",
-        "_compute_loss",
-        "_generate_and_score_completions",
-        "_generate_single_turn",
-        "_get_per_token_logps_and_entropies",
-        "_prepare_inputs",
-    },
+    GRPOTrainer: {"_calculate_rewards", "_generate_and_score_completions", "_prepare_inputs"},
+    LogProbPassesMixin: {"_get_per_token_logps_and_entropies"},
+    LossPassCorrectionMixin: {"_compute_loss"},
+    ColocatedEngineMixin: {"_generate_single_turn"},
+    ConcurrentToolLoopMixin: {"_tool_call_loop"},
     DPOTrainer: {"_compute_loss", "_precompute_ref_logps", "_prepare_dataset"},
     PPOTrainer: {"_compute_loss", "_load_from_checkpoint", "create_optimizer"},
     ColocatedVLLMGeneration: {"_init_vllm", "generate", "sync_weights"},
@@ -102,6 +103,10 @@ def test_overridden_methods_exist_upstream_with_the_same_signature():
     # (ours, TRL's class, the class whose signature ours must keep: AsyncGRPOTrainer's parent is our GRPOTrainer)
     triples = (
         (GRPOTrainer, trl.GRPOTrainer, trl.GRPOTrainer),
+        (LogProbPassesMixin, trl.GRPOTrainer, trl.GRPOTrainer),
+        (LossPassCorrectionMixin, trl.GRPOTrainer, trl.GRPOTrainer),
+        (ColocatedEngineMixin, trl.GRPOTrainer, trl.GRPOTrainer),
+        (ConcurrentToolLoopMixin, trl.GRPOTrainer, trl.GRPOTrainer),
         (DPOTrainer, trl.DPOTrainer, trl.DPOTrainer),
         (PPOTrainer, trl.GRPOTrainer, trl.GRPOTrainer),
         (ColocatedVLLMGeneration, VLLMGeneration, VLLMGeneration),

@@ -134,6 +134,24 @@ class GymRollout:
             functions.append(final)
         return functions
 
+    def after_reward_funcs(self, reward_funcs: Any, args: Any) -> list:
+        """The user's reward functions followed by this rollout's reward columns, checked against ``reward_weights``
+        (a trainer's ``args``; one weight per column, in that order)."""
+        if reward_funcs is None:
+            user = []
+        else:
+            user = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        columns = self.reward_functions()
+        weights = getattr(args, "reward_weights", None)
+        if weights is not None and len(weights) != len(user) + len(columns):
+            names = ", ".join(function.__name__ for function in columns)
+            raise ValueError(
+                f"reward_weights has {len(weights)} entries; with rollout_func=GymRollout(...) the reward columns are "
+                f"the {len(user)} reward_funcs followed by the environment's ({names}): give "
+                f"{len(user) + len(columns)} weights in that order."
+            )
+        return user + columns
+
     # ------------------------------------------------------------------ the episodes
 
     async def run_episodes(

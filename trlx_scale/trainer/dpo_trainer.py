@@ -51,9 +51,9 @@ from ..reliability.input_checks import (
     check_train_dataset,
 )
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
+from .colocated_engine_mixin import policy_version_of
 from .dpo_config import DPOConfig
 from .features import TrainerFeatures
-from .grpo_trainer import _policy_version_of
 from .padding_free_mixin import PaddingFreeMixin
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ class DPOTrainer(PaddingFreeMixin, TrainerFeatures, TRLDPOTrainer):
                 model=self.model,
                 accelerator=self.accelerator,
                 processing_class=self.processing_class,
-                policy_version=_policy_version_of(self),
+                policy_version=policy_version_of(self),
                 phase_timer=self.phase_timer,  # its weight syncs are their own phase
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 max_model_length=max_model_length,
