@@ -637,6 +637,33 @@ def test_fsdp2_sharded_policies_reach_the_server_verified(server, tmp_path):
         assert variant["root_unsharded_at_send"], (name, variant)  # the state a send after a forward meets
 
 
+def test_a_partial_full_weight_delivery_is_refused_by_name(server, default_model, default_model_dir, tmp_path):
+    """Files that lack one tensor leave that parameter on its old weights at the server (vLLM only logs it): the
+    reload is refused with the parameter's name (compat/vllm_checked_reload.py), and the server keeps serving."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from trlx_scale.generation.server_client import PartialDeliveryError
+
+    client = VLLMServerClient([server.url], model=default_model_dir, sampling=SamplingSettings(4))
+    whole = write_full_weights(default_model, str(tmp_path / "whole"))
+    client.reload_weights(0, whole)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for name in os.listdir(whole):
+        if name.endswith(".safetensors"):
+            tensors = load_file(os.path.join(whole, name))
+            del tensors["model.layers.0.mlp.down_proj.weight"]
+            save_file(tensors, str(partial / name))
+        else:
+            shutil.copy(os.path.join(whole, name), partial)
+    with pytest.raises(PartialDeliveryError, match=r"kept 1 of its \d+ parameters .*layers\.0\.mlp\.down_proj"):
+        client.reload_weights(1, str(partial))
+    client.reload_weights(0, whole)  # the base back, for the module's later trainers
+    assert len(client.prompt_logprobs([1, 5, 6, 7], 0)[0]) == 3
+
+
 def test_a_server_that_dies_mid_run_stops_the_run_with_its_exit(default_model_dir, tmp_path):
     """The trainer's own server is killed after step 2 (as an out-of-memory kill would): the next step fails with
     an error that says the server died and shows its exit, within request_timeout, and nothing is left running."""

@@ -297,3 +297,29 @@ def test_tool_messages_render_off_the_trainer_as_trls_own_method_renders_them(de
         [{"role": "tool", "name": "lookup", "content": "a"}, {"role": "tool", "name": "lookup", "content": "bb"}],
     ):
         assert render(messages) == trainer._get_tool_suffix_ids(messages) and render(messages)
+
+
+def test_checked_reload_wraps_what_vllms_reload_still_calls():
+    """compat/vllm_checked_reload.py relies on vLLM's in-place reload calling ``model.load_weights`` once with the
+    files' tensors and on its naming of the parameters; this fails when upstream changes either. The extension is
+    passed to every server trlx_scale starts."""
+    import inspect
+
+    from vllm.model_executor.model_loader.reload import inplace
+
+    from trlx_scale.compat.vllm_checked_reload import WORKER_EXTENSION, CheckedWeightReload
+    from trlx_scale.generation.vllm_server import ServerLaunch
+
+    source = inspect.getsource(inplace.reload_weights)
+    assert "loaded_weights = model.load_weights(weights_iterator)" in source
+    assert 'name.replace(".base_layer.", ".") if vllm_config.lora_config else name' in source
+    assert "Following weights were not loaded from checkpoint" in source  # still only logged upstream
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert callable(getattr(Worker, "reload_weights", None)) and callable(CheckedWeightReload.reload_weights_checked)
+    argv = ServerLaunch(model="m", port=1).arguments()
+    assert argv[argv.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    assert (
+        "--worker-extension-cls"
+        not in ServerLaunch(model="m", port=1, extra_args=("--worker-extension-cls", "x")).arguments()[:-2]
+    )

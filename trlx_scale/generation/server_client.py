@@ -32,10 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from transformers.utils import logging
 
+from ..compat.vllm_checked_reload import CHECKED_RELOAD_METHOD
 from ..rollout.async_producer import GroupRequest, SampledGroup
 from ..rollout.request_gate import RequestGate
 from .vllm_server import VLLMServerProcess
+
+logger = logging.get_logger(__name__)
 
 TRANSPORT_RETRIES = 2  # a sampling request resent after a dropped keep-alive connection, at most this often
 
@@ -50,6 +54,10 @@ class ServerUnreachableError(ServerError):
 
 class ServerModelMismatchError(ServerError):
     """The server answers, but serves another model (or not the adapter asked for)."""
+
+
+class PartialDeliveryError(ServerError):
+    """A full-weight reload left some of the server's parameters on their old weights."""
 
 
 class ServerFailedError(ServerError):
@@ -120,6 +128,7 @@ class VLLMServerClient:
         # Made once: without it httpx builds a TLS context per request, reading the CA bundle each time (about
         # 20 ms, against 1-2 ms for the request itself on localhost); a full-weight update makes five requests.
         self._tls = httpx.create_ssl_context()
+        self._checked_reload = True  # until a server turns out to lack the extension (_reload_from_files)
 
     # ---------------------------------------------------------------- errors
     def _server_alive(self) -> bool:
@@ -341,19 +350,56 @@ class VLLMServerClient:
             self._request("POST", url, "/pause", "the pause", params={"mode": "wait"})
             pause_began = time.monotonic()
             try:
-                self._request(
-                    "POST",
-                    url,
-                    "/collective_rpc",
-                    "the weight reload",
-                    json={"method": "reload_weights", "kwargs": {"weights_path": path}},
-                )
+                self._reload_from_files(url, path)
                 self._request("POST", url, "/reset_prefix_cache", "the prefix-cache reset")
             finally:
                 self._request("POST", url, "/resume", "the resume")
             paused = max(paused, time.monotonic() - pause_began)
         self.full_weights_version = version
         return paused, time.monotonic() - began
+
+    def _reload_from_files(self, url: str, path: str) -> None:
+        """One server's reload, checked where the server has trlx_scale's worker extension (servers the trainer or
+        ``trlx-scale serve`` started: ``compat.vllm_checked_reload``): a delivery that left any parameter on its old
+        weights raises ``PartialDeliveryError`` naming them. A server without it reloads unchecked (said once)."""
+        if self._checked_reload:
+            try:
+                response = httpx.request(
+                    "POST",
+                    url + "/collective_rpc",
+                    json={"method": CHECKED_RELOAD_METHOD, "kwargs": {"weights_path": path}},
+                    timeout=self.request_timeout,
+                    verify=self._tls,
+                )
+            except httpx.HTTPError as error:
+                raise self._failure(url, error) from error
+            if response.status_code != 200 and CHECKED_RELOAD_METHOD in response.text:
+                self._checked_reload = False  # a server started without the extension: no such method
+                logger.warning(
+                    "The vLLM server at %s has no %s (it was not started by trlx_scale): full-weight reloads are "
+                    "not checked for parameters left on their old weights. Start it with `trlx-scale serve`.",
+                    url,
+                    CHECKED_RELOAD_METHOD,
+                )
+            else:
+                self._check_status(url, response, "the weight reload")
+                for worker in response.json().get("results", []):
+                    missing = worker["not_loaded"]
+                    if missing:
+                        raise PartialDeliveryError(
+                            f"the vLLM server at {url} kept {len(missing)} of its {worker['parameters']} parameters "
+                            f"on their old weights after loading {path} (no tensor of the files reached them): "
+                            f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}. The files must hold "
+                            "every weight the server's model has."
+                        )
+                return
+        self._request(
+            "POST",
+            url,
+            "/collective_rpc",
+            "the weight reload",
+            json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+        )
 
     async def aclose(self) -> None:
         if self._async_client is not None:

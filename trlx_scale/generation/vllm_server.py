@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from ..compat.vllm_checked_reload import WORKER_EXTENSION
 from ..compat.vllm_server_entrypoint import server_command
 from .cpu_environment import KVCACHE_SPACE_ENV, running_on_cpu_only
 from .server_watchdog import GRACE_SECONDS, end_process_group, wrapped_command
@@ -104,6 +105,9 @@ class ServerLaunch:
             argv += ["--no-enable-chunked-prefill"]
             if self.max_model_len:
                 argv += ["--max-num-batched-tokens", str(max(4096, self.max_model_len))]
+        if "--worker-extension-cls" not in self.extra_args:
+            # Full-weight reloads report the parameters they left unloaded (compat.vllm_checked_reload).
+            argv += ["--worker-extension-cls", WORKER_EXTENSION]
         return argv + list(self.extra_args)
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
