@@ -14,8 +14,10 @@ from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
 from trlx_scale.trainer.async_tool_loop import AsyncToolLoopMixin
 from trlx_scale.trainer.colocated_engine_mixin import ColocatedEngineMixin
 from trlx_scale.trainer.concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
+from trlx_scale.trainer.dpo_engine_mixin import DPOEngineMixin
 from trlx_scale.trainer.logprob_passes_mixin import LogProbPassesMixin
 from trlx_scale.trainer.loss_pass_correction_mixin import LossPassCorrectionMixin
+from trlx_scale.trainer.online_dpo_mixin import OnlineDPOMixin
 
 # TRL's methods each trlx_scale class overrides (its own methods are not pinned: renaming them is trlx_scale's
 # business). The test fails when one disappears or changes signature upstream, and when a class starts to override
@@ -26,7 +28,9 @@ TRL_OVERRIDES = {
     LossPassCorrectionMixin: {"_compute_loss"},
     ColocatedEngineMixin: {"_generate_single_turn"},
     ConcurrentToolLoopMixin: {"_tool_call_loop"},
-    DPOTrainer: {"_compute_loss", "_precompute_ref_logps", "_prepare_dataset"},
+    DPOTrainer: {"_compute_loss"},
+    DPOEngineMixin: {"_precompute_ref_logps"},
+    OnlineDPOMixin: {"_prepare_dataset"},
     PPOTrainer: {"_compute_loss", "_load_from_checkpoint", "create_optimizer"},
     ColocatedVLLMGeneration: {"_init_vllm", "generate", "sync_weights"},
     AsyncGRPOTrainer: {"_calculate_rewards", "_generate_and_score_completions", "evaluate", "train"},
@@ -108,6 +112,8 @@ def test_overridden_methods_exist_upstream_with_the_same_signature():
         (ColocatedEngineMixin, trl.GRPOTrainer, trl.GRPOTrainer),
         (ConcurrentToolLoopMixin, trl.GRPOTrainer, trl.GRPOTrainer),
         (DPOTrainer, trl.DPOTrainer, trl.DPOTrainer),
+        (DPOEngineMixin, trl.DPOTrainer, trl.DPOTrainer),
+        (OnlineDPOMixin, trl.DPOTrainer, trl.DPOTrainer),
         (PPOTrainer, trl.GRPOTrainer, trl.GRPOTrainer),
         (ColocatedVLLMGeneration, VLLMGeneration, VLLMGeneration),
         (AsyncGRPOTrainer, trl.GRPOTrainer, GRPOTrainer),
@@ -400,7 +406,6 @@ def test_trl_rollout_lines_the_async_trainer_relies_on():
 def test_the_concurrent_tool_loop_keeps_trls_tool_call_loop_contract():
     """ConcurrentToolLoopMixin replaces TRL's _tool_call_loop: same arguments, the same 7 values returned, the same
     per-rollout tool dicts read, and TRL's _generate still the one caller."""
-    from trlx_scale.trainer.concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
 
     assert _parameters(ConcurrentToolLoopMixin._tool_call_loop) == _parameters(trl.GRPOTrainer._tool_call_loop)
     loop = inspect.getsource(trl.GRPOTrainer._tool_call_loop)

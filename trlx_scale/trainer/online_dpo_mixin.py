@@ -1,0 +1,132 @@
+"""``OnlineDPOMixin``: ``DPOTrainer(online=True)``: each step the current policy samples, rewards rank, DPO trains.
+
+Each step, the batch's prompts are sampled by the current policy on the colocated engine (LoRA-only sync,
+sleep/wake), ``reward_funcs`` score the completions, and DPO trains on each prompt's (best, worst) pair. Across
+ranks the pairs are dealt evenly, tie pairs topping up the short ranks (``dpo.online_pair_balance``), so the
+gradient is exactly the mean over the step's real pairs. A checkpoint keeps the round's statistics, so a resumed
+run logs and scores as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from transformers.utils import logging
+from trl.data_utils import is_conversational
+
+from ..dpo.online_pair_balance import balance_pairs, tie_pair_loss
+from ..dpo.preference_pairs import best_worst_pairs
+from ..reliability.reward_guard import raise_reward_errors
+
+logger = logging.get_logger(__name__)
+
+
+class OnlineDPOMixin:
+    """Part of ``DPOTrainer`` (see the module docstring); placed before TRL's class in its bases."""
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if not self._online:
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        first = next(iter(dataset))
+        if "prompt" not in first:
+            raise ValueError(
+                f"online=True needs a 'prompt' column in the {dataset_name} dataset; it has {list(first)}."
+            )
+        tokenizer = self._tokenizer
+
+        def tokenize(example):
+            if is_conversational(example):
+                ids = tokenizer.apply_chat_template(example["prompt"], add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            else:
+                ids = tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]
+            return {"prompt_ids": list(ids)}
+
+        return dataset.map(tokenize, desc=f"Tokenizing {dataset_name} prompts")
+
+    def _training_step(self, model, inputs, num_items_in_batch=None):
+        # Inside TrainerFeatures.training_step: profiled and guarded on every path, the batch without pairs included.
+        if not self._online:
+            return super()._training_step(model, inputs, num_items_in_batch)
+        pairs = self._online_round(inputs)
+        if self.accelerator.num_processes > 1:
+            # Equal numbers of pairs on every rank (TRL's loss gathers per-pair tensors); the loss is rescaled so
+            # the gradient stays the mean over the step's real pairs (dpo/online_pair_balance.py).
+            balanced = balance_pairs(
+                gather_object(pairs), self.accelerator.process_index, self.accelerator.num_processes
+            )
+            pairs, self._online_loss_scale = balanced.pairs, balanced.loss_scale
+            world = self.accelerator.num_processes
+            tie = tie_pair_loss(list(self.loss_types), self.loss_weights, self.beta)
+            self._online_loss_offset = world * balanced.padding * tie / max(balanced.total, 1)
+            self._metrics["train"]["online/padding_pairs"].append(float(balanced.total_padding))
+        if not pairs:
+            # Every prompt's samples scored the same: no preference to learn. A zero loss still runs backward, so
+            # data-parallel ranks stay in step.
+            model.train()
+            loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+            self.accelerator.backward(loss)
+            return loss.detach()
+        try:
+            return super()._training_step(model, self._pair_collator(pairs), num_items_in_batch)
+        finally:
+            self._online_loss_scale, self._online_loss_offset = 1.0, 0.0
+
+    def _global_round_stats(self, stats: dict[str, float], pairs: int) -> dict[str, float]:
+        """The round's statistics over every rank (each rank has as many prompts and samples as the others): means
+        of the rank means, and the reward gap averaged over all pairs."""
+        if self.accelerator.num_processes == 1:
+            return stats
+        local = torch.tensor(
+            [stats["reward_mean"], stats["pair_fraction"], stats["reward_gap"] * pairs, float(pairs)],
+            device=self.accelerator.device,
+        )
+        reward_mean, pair_fraction, gap_sum, total = self.accelerator.reduce(local, reduction="sum").tolist()
+        world = self.accelerator.num_processes
+        return {
+            "reward_mean": reward_mean / world,
+            "pair_fraction": pair_fraction / world,
+            "reward_gap": gap_sum / total if total else 0.0,
+        }
+
+    def _online_round(self, examples: list[dict[str, Any]]) -> list[dict[str, list[int]]]:
+        """Sample, score and pair one batch of prompts with the current policy."""
+        args = self.args
+        engine = self._colocated_engine()  # it serves the current policy version (LoRA-only sync where possible)
+        group = args.online_num_generations
+        prompt_ids = [example["prompt_ids"] for example in examples]
+        repeated = [ids for ids in prompt_ids for _ in range(group)]
+        engine.set_rollout_seed(self.args.seed, self.state.global_step)
+        with self.phase_timer.phase("generation"):
+            _, completion_ids, _, _ = engine.generate(prompts=repeated, images=None, num_generations=group)
+        self._count_generation(repeated, completion_ids)
+        texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = is_conversational(examples[0])
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        prompts = [example["prompt"] for example in examples for _ in range(group)]
+        columns = {
+            key: [example[key] for example in examples for _ in range(group)]
+            for key in examples[0]
+            if key not in ("prompt", "prompt_ids")
+        }
+        rewards = torch.zeros(len(repeated))
+        with self.phase_timer.phase("reward"):
+            for func in self.reward_funcs:
+                values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+                rewards += torch.tensor([float("nan") if v is None else v for v in values])
+            skipped = raise_reward_errors(self.reward_funcs, self.accelerator)
+        if skipped or self.args.reward_errors == "skip":
+            self._metrics["train"]["reliability/reward_errors"].append(float(skipped))
+        pairs, stats = best_worst_pairs(prompt_ids, completion_ids, rewards.view(len(examples), group))
+        stats = self._global_round_stats(stats, len(pairs))
+        mode = "train"
+        for key, value in {**stats, **engine.pop_metrics()}.items():
+            self._metrics[mode][key if "/" in key else f"online/{key}"].append(value)
+        return pairs
+
+
+def keep_examples(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Online DPO's collator: the rows go to the online round as they are."""
+    return examples
