@@ -2,7 +2,7 @@
 server it starts when no URL is given (``generation.vllm_server``), and the probe that verifies each update.
 
 Why a mixin of the trainer: each answer reads the trainer's model, config and accelerator; building the engine from
-them stays in ``async_grpo_trainer.py``.
+them is ``async_server_engine.py``'s.
 """
 
 from __future__ import annotations
