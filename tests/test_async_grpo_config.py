@@ -74,7 +74,7 @@ def test_the_trainer_refuses_what_the_producer_cannot_run(tmp_path, default_mode
     args = small_grpo_config(tmp_path, AsyncGRPOConfig)
     with pytest.raises(TypeError, match="load a reward model inside a function"):
         AsyncGRPOTrainer(default_model_dir, torch.nn.Linear(2, 1), args, dataset)
-    with pytest.raises(ValueError, match="does not take rollout_func"):
+    with pytest.raises(ValueError, match="takes rollout_func=GymRollout"):
         AsyncGRPOTrainer(default_model_dir, exact_match_reward, args, dataset, rollout_func=lambda prompts, t: {})
 
 
