@@ -1023,7 +1023,7 @@ def test_gym_episodes_run_in_the_producer(server, default_model_dir, default_tok
 
     from trlx_scale.agents.gym_rollout import GymRollout
 
-    from .helpers.gym_episodes import DISCOUNT, ROWS, AskAgain, check_episodes, count_messages
+    from .helpers.gym_episodes import BUDGETS, DISCOUNT, ROWS, AskAgain, check_episodes, count_messages
 
     with pytest.raises(ValueError, match="takes rollout_func=GymRollout"):
         AsyncGRPOTrainer(
@@ -1041,9 +1041,7 @@ def test_gym_episodes_run_in_the_producer(server, default_model_dir, default_tok
             vllm_server_base_url=server.url,
             max_steps=2,
             max_staleness=1,
-            max_completion_length=96,
-            max_turn_tokens=12,
-            max_tool_calling_iterations=5,
+            **BUDGETS,
         ),
         train_dataset=Dataset.from_list(ROWS * 4),
         processing_class=default_tokenizer,
@@ -1052,16 +1050,7 @@ def test_gym_episodes_run_in_the_producer(server, default_model_dir, default_tok
     trainer.train()
     done = 0
     for generation, (inputs, rewards) in zip(trainer.generations, trainer.scored, strict=True):
-        _, completion_ids, masks, _, _, extra = generation[:6]
-        done += check_episodes(
-            default_tokenizer,
-            inputs,
-            completion_ids,
-            masks,
-            rewards.tolist(),
-            extra["trajectory"],
-            extra["stop_reason"],
-        )
+        done += check_episodes(default_tokenizer, inputs, generation, rewards)
     assert done >= 8
     assert logged(trainer, "async/staleness_max") == [0.0, 1.0]
     assert min(logged(trainer, "agents/turns_mean")) > 1.0

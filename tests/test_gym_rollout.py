@@ -12,7 +12,7 @@ from datasets import Dataset
 from trlx_scale import GRPOTrainer
 from trlx_scale.agents.gym_rollout import GymRollout, discounted_return
 
-from .helpers.gym_episodes import DISCOUNT, ROWS, AskAgain, check_episodes, count_messages
+from .helpers.gym_episodes import COLOCATED, DISCOUNT, ROWS, AskAgain, check_episodes, count_messages
 from .helpers.trainers import small_grpo_config
 
 
@@ -64,30 +64,15 @@ def test_gym_episodes_train_through_grpo_on_the_colocated_engine(tmp_path, defau
     trainer = _Recording(
         model=AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32),
         reward_funcs=count_messages,
-        args=small_grpo_config(
-            tmp_path,
-            use_vllm=True,
-            vllm_mode="colocate",
-            max_steps=1,
-            max_completion_length=96,
-            vllm_max_model_length=160,
-            max_turn_tokens=12,
-            max_tool_calling_iterations=5,
-        ),
+        args=small_grpo_config(tmp_path, max_steps=1, **COLOCATED),
         train_dataset=Dataset.from_list(ROWS),
         processing_class=default_tokenizer,
         rollout_func=GymRollout(AskAgain, turn_reward_discount=DISCOUNT),
     )
     trainer.train()
-    prompt_ids, completion_ids, masks, _, _, extra = trainer.recorded_generation[:6]
+    prompt_ids, completion_ids = trainer.recorded_generation[:2]
     done = check_episodes(
-        default_tokenizer,
-        trainer.recorded_inputs,
-        completion_ids,
-        masks,
-        trainer.recorded_rewards.tolist(),
-        extra["trajectory"],
-        extra["stop_reason"],
+        default_tokenizer, trainer.recorded_inputs, trainer.recorded_generation, trainer.recorded_rewards
     )
     assert done >= 4  # most episodes end on their environment (the untrained model answers in a few tokens)
     assert all(len(p) + len(c) <= 160 for p, c in zip(prompt_ids, completion_ids, strict=True))

@@ -369,7 +369,7 @@ def test_ppo_trains_on_gym_episodes_with_observations_out_of_the_loss(default_mo
 
     from trlx_scale.agents.gym_rollout import GymRollout
 
-    from .helpers.gym_episodes import DISCOUNT, ROWS, AskAgain, check_episodes, count_messages
+    from .helpers.gym_episodes import COLOCATED, DISCOUNT, ROWS, AskAgain, check_episodes, count_messages
 
     class Recording(PPOTrainer):
         def _generate(self, prompts):
@@ -387,36 +387,15 @@ def test_ppo_trains_on_gym_episodes_with_observations_out_of_the_loss(default_mo
     trainer = Recording(
         model=default_model_dir,
         reward_funcs=count_messages,
-        args=_args(
-            tmp_path,
-            use_vllm=True,
-            vllm_mode="colocate",
-            max_steps=1,
-            max_completion_length=96,
-            vllm_max_model_length=160,
-            max_turn_tokens=12,
-            max_tool_calling_iterations=5,
-        ),
+        args=_args(tmp_path, max_steps=1, **COLOCATED),
         train_dataset=Dataset.from_list(ROWS),
         processing_class=default_tokenizer,
         peft_config=LORA,
         rollout_func=GymRollout(AskAgain, turn_reward_discount=DISCOUNT),
     )
     trainer.train()
-    _, completion_ids, masks, _, _, extra = trainer.generation[:6]
     inputs, rewards = trainer.scored
-    assert (
-        check_episodes(
-            default_tokenizer,
-            inputs,
-            completion_ids,
-            masks,
-            rewards.tolist(),
-            extra["trajectory"],
-            extra["stop_reason"],
-        )
-        >= 4
-    )
+    assert check_episodes(default_tokenizer, inputs, trainer.generation, rewards) >= 4
     batch = trainer.batch
     tool_mask = batch.extras["tool_mask"].bool() & batch.completion_mask.bool()
     observations = batch.completion_mask.bool() & ~batch.extras["tool_mask"].bool()

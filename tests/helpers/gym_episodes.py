@@ -11,6 +11,9 @@ ROWS = [
     {"prompt": [{"role": "user", "content": "12+30="}], "rounds": 3, "tag": "y"},
 ]
 DISCOUNT = 0.5
+# Every gym run's budgets (the untrained model answers in a few tokens), and the colocated engine's settings.
+BUDGETS = dict(max_completion_length=96, max_turn_tokens=12, max_tool_calling_iterations=5)
+COLOCATED = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=160, **BUDGETS)
 
 
 class AskAgain:
@@ -29,11 +32,14 @@ class AskAgain:
         return float(self.answers)
 
 
-def check_episodes(tokenizer, rows, completion_ids, masks, rewards, trajectories, stop_reasons) -> int:
-    """Every episode: the loss mask is 0 exactly on the rendered observations (each the row's own tag, so reset saw
+def check_episodes(tokenizer, rows, generation, rewards) -> int:
+    """Every episode of a rollout (``generation``: what TRL's ``_generate`` returned for ``rows``; ``rewards``: the
+    reward columns it scored, a tensor): the loss mask is 0 exactly on the rendered observations (each the row's own tag, so reset saw
     the row) and 1 on every sampled token, the end token of the last included; the first reward column (a reward
     function of the test) counted the trajectory's messages; an episode that ended on its environment's "done"
     scored the discounted sum of its per-step rewards and the environment's own reward. Returns how many did."""
+    _, completion_ids, masks, _, _, extra = generation[:6]
+    trajectories, stop_reasons, rewards = extra["trajectory"], extra["stop_reason"], rewards.tolist()
     renderer = ObservationRenderer(tokenizer)
     done = 0
     for index, row in enumerate(rows):
