@@ -937,7 +937,11 @@ def test_tool_trajectories_run_in_the_producer_token_in_token_out(
     )
     trainer.train()
     assert sum(logged(trainer, "tools/timeout")) == 1.0
-    producer_made = [env for env in _Lookup.instances if env.reset_threads and "MainThread" not in env.reset_threads]
+    # No reset runs on the trainer's thread: the producer's pool is reset off it, and TRL's own instances (drawn by
+    # its rollout, then unused) are not reset at all (trainer/environment_reset_mixin.py).
+    producer_made = [env for env in _Lookup.instances if env.reset_threads]
+    assert not any("MainThread" in env.reset_threads for env in _Lookup.instances)
+    assert len(producer_made) < len(_Lookup.instances)  # TRL drew instances of its own
     assert producer_made and len(producer_made) <= 8  # the pool: at most the trajectories in flight at once
     rounds = 0
     for (masks, completions, completion_ids, logprobs, calls, _, _), rewards in zip(

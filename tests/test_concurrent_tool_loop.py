@@ -114,15 +114,20 @@ class _WaitingCalculator:
     """A TRL ``environment_factory`` environment (reset / public tools / get_reward), written for TRL. The first
     instance's first call waits until six others have made all their calls: in a lockstep loop (each round waits for
     every trajectory's tools, one after another) that never happens; here each trajectory goes on alone. The second
-    instance's first call hangs past ``tool_timeout``."""
+    instance's first call hangs past ``tool_timeout``. Every ``reset`` waits at a barrier for the batch's other
+    resets: TRL's loop (one reset after another on the trainer's thread) would never pass it."""
 
     instances: list = []
     lock = threading.Lock()
     others_done = threading.Event()
+    resets_together: threading.Barrier | None = None
+    reset_threads: list = []
     expected_calls = 0
     timeout = 0.0
 
     def reset(self, **row):
+        self.reset_threads.append(threading.current_thread().name)
+        self.resets_together.wait()
         with self.lock:
             self.index = len(self.instances)
             self.instances.append(self)
@@ -155,6 +160,8 @@ def test_a_trajectory_waiting_on_its_tool_holds_no_other_and_a_hung_tool_is_a_to
     _WaitingCalculator.instances = []
     _WaitingCalculator.others_done = threading.Event()
     _WaitingCalculator.expected_calls = 6 * 2  # six other trajectories' 2 rounds each
+    _WaitingCalculator.resets_together = threading.Barrier(8, timeout=5)  # the step's 8 trajectories
+    _WaitingCalculator.reset_threads = []
     _WaitingCalculator.timeout = 8.0
     trainer = _train(
         tmp_path,
@@ -166,6 +173,8 @@ def test_a_trajectory_waiting_on_its_tool_holds_no_other_and_a_hung_tool_is_a_to
     )
     _, completions, _, _, calls, failures, _ = trainer.recorded_loop
     assert _WaitingCalculator.others_done.is_set()
+    # Each environment was reset once, off the trainer's thread (trainer/environment_reset_mixin.py).
+    assert len(_WaitingCalculator.reset_threads) == 8 and "MainThread" not in _WaitingCalculator.reset_threads
     assert calls == 16 and failures == 1  # 8 trajectories x 2 rounds; the one call past its timeout
     assert logged(trainer, "tools/timeout") == [1.0]
     assert logged(trainer, "tools/raised") == [0.0]

@@ -15,6 +15,7 @@ from trlx_scale.trainer.async_tool_loop import AsyncToolLoopMixin
 from trlx_scale.trainer.colocated_engine_mixin import ColocatedEngineMixin
 from trlx_scale.trainer.concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
 from trlx_scale.trainer.dpo_engine_mixin import DPOEngineMixin
+from trlx_scale.trainer.environment_reset_mixin import EnvironmentResetMixin
 from trlx_scale.trainer.logprob_passes_mixin import LogProbPassesMixin
 from trlx_scale.trainer.loss_pass_correction_mixin import LossPassCorrectionMixin
 from trlx_scale.trainer.online_dpo_mixin import OnlineDPOMixin
@@ -28,6 +29,7 @@ TRL_OVERRIDES = {
     LossPassCorrectionMixin: {"_compute_loss"},
     ColocatedEngineMixin: {"_generate_single_turn"},
     ConcurrentToolLoopMixin: {"_tool_call_loop"},
+    EnvironmentResetMixin: {"_generate_and_score_completions"},
     DPOTrainer: {"_compute_loss"},
     DPOEngineMixin: {"_precompute_ref_logps"},
     OnlineDPOMixin: {"_prepare_dataset"},
@@ -111,6 +113,7 @@ def test_overridden_methods_exist_upstream_with_the_same_signature():
         (LossPassCorrectionMixin, trl.GRPOTrainer, trl.GRPOTrainer),
         (ColocatedEngineMixin, trl.GRPOTrainer, trl.GRPOTrainer),
         (ConcurrentToolLoopMixin, trl.GRPOTrainer, trl.GRPOTrainer),
+        (EnvironmentResetMixin, trl.GRPOTrainer, trl.GRPOTrainer),
         (DPOTrainer, trl.DPOTrainer, trl.DPOTrainer),
         (DPOEngineMixin, trl.DPOTrainer, trl.DPOTrainer),
         (OnlineDPOMixin, trl.DPOTrainer, trl.DPOTrainer),
@@ -416,3 +419,24 @@ def test_the_concurrent_tool_loop_keeps_trls_tool_call_loop_contract():
     assert "self._sync_tool_dicts[idx_with_tool]" in loop and "self._async_tool_dicts[idx_with_tool]" in loop
     assert "self._get_tool_suffix_ids(tool_messages)" in loop
     assert "self._tool_call_loop(" in inspect.getsource(trl.GRPOTrainer._generate)
+
+
+def test_trl_still_draws_and_resets_environments_as_the_prepared_resets_expect():
+    """compat/trl_environment_resets.py reproduces TRL's pool draw and answers its reset loop: both must still read
+    as below."""
+    from trlx_scale.compat import trl_environment_resets
+
+    assert trl_environment_resets.supported(), f"checked on TRL 1.16, not {trl.__version__}"
+    source = re.sub(r"\s+", " ", inspect.getsource(trl.GRPOTrainer._generate_and_score_completions))
+    for line in (
+        'self._batch_environments = [x.get("environment") if self._multi_environment else None for x in inputs]',
+        "pool = self._environment_pool[name]",
+        "index = pool_cursor.get(name, 0)",
+        "if index == len(pool): pool.append(self.environment_factories[name]())",
+        "pool_cursor[name] = index + 1",
+        "self.environments.append(pool[index])",
+        'reset_kwargs = {k: v for k, v in x.items() if k != "environment"} if self._multi_environment else x',
+        "observation = environment.reset(**reset_kwargs)",
+    ):
+        assert line in source, line
+    assert source.index("self.environments.append(pool[index])") < source.index("environment.reset(**reset_kwargs)")

@@ -11,8 +11,8 @@ as TRL gives them the trainer's.
 The trainer's side runs TRL's ``_generate`` as it is: the first turns are what its call for completions returns
 (TRL parses them), and its ``_tool_call_loop`` returns the producer's finished trajectories (ids, ``tool_mask``,
 log-probs, messages, counts) instead of running tools, so the loss, its normaliser and TRL's metrics see what the
-synchronous trainer's loop would hand them. TRL still resets its own environment instances on the trainer's thread
-at each step (its ``_generate_and_score_completions``; they then go unused): the producer's were reset first.
+synchronous trainer's loop would hand them. TRL's own environment instances, which go unused, are not reset
+(``_resets_trl_environments``): the producer's were reset for each group.
 
 Not here (refused by name): ``rollout_func``, evaluation with tools, observations returned by ``reset`` (the prompt
 of a group is sampled once for its ``n`` trajectories, tokenized before any environment is drawn: put the task in
@@ -192,6 +192,11 @@ class AsyncToolLoopMixin:
             [ids for extra in extras for ids in extra[FIRST_TURN_IDS]],
             [values for extra in extras for values in extra[FIRST_TURN_LOGPROBS]],
         )
+
+    def _resets_trl_environments(self) -> bool:
+        # Training rollouts are the producer's, with environments of its own reset off the trainer's thread: TRL's
+        # instances go unused, so they are not reset (EnvironmentResetMixin).
+        return not self.model.training
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         """The producer's finished trajectories, in TRL's loop's return shape."""

@@ -43,6 +43,7 @@ from ..reliability.reward_guard import guard_reward_functions, raise_reward_erro
 from ..rollout.batch import RolloutBatch
 from .colocated_engine_mixin import ColocatedEngineMixin
 from .concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
+from .environment_reset_mixin import EnvironmentResetMixin
 from .features import TrainerFeatures
 from .grpo_config import GRPOConfig
 from .gym_rollout_mixin import GymRolloutMixin
@@ -68,6 +69,7 @@ logger = logging.get_logger(__name__)
 
 class GRPOTrainer(
     GymRolloutMixin,
+    EnvironmentResetMixin,
     ConcurrentToolLoopMixin,
     LogProbPassesMixin,
     LossPassCorrectionMixin,
