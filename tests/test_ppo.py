@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trlx_scale import PPOConfig, PPOTrainer
 from trlx_scale.losses import clipped_value_loss
 from trlx_scale.ppo import AdaptiveKLController, gae, kl_penalty_rewards, masked_whiten, per_token_kl
+from trlx_scale.ppo.advantages import place_turn_rewards, turn_discounts, turn_ends
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
 from .helpers.trainers import logged, small_grpo_config
@@ -54,6 +55,32 @@ def test_gae_skips_observations_between_turns_as_if_they_were_not_there():
     assert (advantages[:, ~kept] == 0).all() and (returns[:, ~kept] == 0).all()
     # The first turn's advantage carries the score earned after the tool result.
     assert advantages[0, 0] != gae(rewards, values, torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0]]), gamma, lam)[0][0, 0]
+
+
+def test_each_step_reward_lands_on_its_own_turn_and_turns_are_discounted_between_them():
+    """step_reward_credit="own_turn": step k's reward on the last sampled token of turn k, the turn discount applied
+    where one turn hands back to the previous; with lam=1 the returns are then, at every token of turn k, the
+    discounted sum of the rewards of turn k and the later ones only."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]])
+    assert turn_ends(mask) == [[1, 6, 8], [2]]
+    placed = place_turn_rewards([[1.0, None, 4.0], [2.0, 5.0]], mask, weight=0.5)
+    expected = torch.zeros(2, 10, dtype=torch.float64)
+    expected[0, 1], expected[0, 8] = 0.5, 2.0
+    expected[1, 2] = 0.5 * (2.0 + 5.0)  # more steps than turns: the rest on the last turn
+    torch.testing.assert_close(placed, expected)
+    discounts = turn_discounts(mask, 0.5)
+    assert discounts[0].tolist() == [1, 0.5, 1, 1, 1, 1, 0.5, 1, 1, 1] and (discounts[1] == 1).all()
+    values = torch.randn(2, 10, dtype=torch.float64)
+    _, returns = gae(placed, values, mask, gamma=1.0, lam=1.0, discounts=discounts)
+    first, second, third = 0.5 + 0.5 * (0.0 + 0.5 * 2.0), 0.0 + 0.5 * 2.0, 2.0
+    torch.testing.assert_close(
+        returns[0, [0, 1, 4, 5, 6, 8]], torch.tensor([first] * 2 + [second] * 3 + [third]).double()
+    )
+    # Without the per-turn factors, gae is the per-token one it always was.
+    torch.testing.assert_close(
+        gae(placed, values, mask, 0.9, 0.8, torch.ones(2, 10, dtype=torch.float64)),
+        gae(placed, values, mask, 0.9, 0.8),
+    )
 
 
 def test_kl_estimators_and_penalized_rewards():
@@ -250,11 +277,22 @@ def test_reward_model_scores_the_last_real_token(default_model_dir, tmp_path):
         ({"kl_estimator": "k2"}, "kl_estimator must be"),
         ({"critic_mode": "tied"}, "critic_mode must be"),
         ({"lam": 1.5}, "gamma and lam must lie in"),
+        ({"step_reward_credit": "per_token"}, "step_reward_credit must be 'sequence_end' or 'own_turn'"),
     ],
 )
 def test_bad_config_is_refused(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         _args(tmp_path, **overrides)
+
+
+def test_own_turn_credit_needs_a_gym_rollout(default_model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"step_reward_credit='own_turn'.*needs rollout_func=GymRollout"):
+        PPOTrainer(
+            model=default_model_dir,
+            reward_funcs=exact_match_reward,
+            args=_args(tmp_path, step_reward_credit="own_turn"),
+            train_dataset=addition_dataset("train", size=4),
+        )
 
 
 def test_shared_base_needs_a_lora_policy(default_model_dir, tmp_path):
@@ -364,7 +402,10 @@ def test_logs_the_model_states_each_role_holds(default_model_dir, tmp_path):
 def test_ppo_trains_on_gym_episodes_with_observations_out_of_the_loss(default_model_dir, default_tokenizer, tmp_path):
     """PPOTrainer takes GRPOTrainer's multi-turn rollouts (here rollout_func=GymRollout on the colocated engine): the
     episodes pass the same checks as GRPOTrainer's (helpers/gym_episodes.check_episodes), and the advantages and
-    returns are zero exactly on the observations (GAE skips them) and nonzero on the sampled tokens."""
+    returns are zero exactly on the observations (GAE skips them). With step_reward_credit="own_turn" (and lam=1, no
+    KL, no whitening, so that a token's return is the discounted sum of the rewards after it), every token of turn k
+    returns the steps' rewards from turn k on, discounted per turn, plus the trajectory's end score brought back
+    through the later turns: no turn is credited with an earlier step's reward."""
     from datasets import Dataset
 
     from trlx_scale.agents.gym_rollout import GymRollout
@@ -387,7 +428,16 @@ def test_ppo_trains_on_gym_episodes_with_observations_out_of_the_loss(default_mo
     trainer = Recording(
         model=default_model_dir,
         reward_funcs=count_messages,
-        args=_args(tmp_path, max_steps=1, **COLOCATED),
+        args=_args(
+            tmp_path,
+            max_steps=1,
+            step_reward_credit="own_turn",
+            lam=1.0,
+            kl_coef=0.0,
+            adaptive_kl=False,
+            whiten_advantages=False,
+            **COLOCATED,
+        ),
         train_dataset=Dataset.from_list(ROWS),
         processing_class=default_tokenizer,
         peft_config=LORA,
@@ -401,7 +451,20 @@ def test_ppo_trains_on_gym_episodes_with_observations_out_of_the_loss(default_mo
     observations = batch.completion_mask.bool() & ~batch.extras["tool_mask"].bool()
     assert observations.any()
     assert (batch.advantages[observations] == 0).all() and (batch.returns[observations] == 0).all()
-    assert (batch.returns[tool_mask] != 0).all()
+    several_turns = 0
+    for row, (scored, columns) in enumerate(zip(inputs, rewards.tolist(), strict=True)):
+        ends = turn_ends(batch.loss_mask[row : row + 1])[0]
+        steps = [r or 0.0 for r in scored["turn_rewards"]] + [0.0] * len(ends)
+        end_score = columns[0] + columns[2]  # count_messages and get_reward; the turns column is placed per step
+        start = 0
+        for k, end in enumerate(ends):
+            later = sum(DISCOUNT ** (j - k) * steps[j] for j in range(k, len(ends)))
+            expected = later + DISCOUNT ** (len(ends) - 1 - k) * end_score
+            turn = tool_mask[row, start : end + 1]
+            assert batch.returns[row, start : end + 1][turn].tolist() == pytest.approx([expected] * int(turn.sum()))
+            start = end + 1
+        several_turns += len(ends) > 1
+    assert several_turns >= 2
     assert math.isfinite(logged(trainer, "loss")[0]) and logged(trainer, "ppo/value_loss")
 
 

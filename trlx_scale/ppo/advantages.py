@@ -40,15 +40,54 @@ def kl_penalty_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, m
     return rewards
 
 
+def turn_ends(mask: torch.Tensor) -> list[list[int]]:
+    """Per row, the last position of each run of masked-in tokens: in a multi-turn row, the last sampled token of
+    each assistant turn (observations between turns are masked out)."""
+    ends = []
+    for row in mask.bool().tolist():
+        ends.append([t for t, bit in enumerate(row) if bit and (t + 1 == len(row) or not row[t + 1])])
+    return ends
+
+
+def place_turn_rewards(
+    turn_rewards: list[list[float | None] | None], mask: torch.Tensor, weight: float = 1.0
+) -> torch.Tensor:
+    """Per-token rewards with each step's reward on the last sampled token of the turn that earned it (step k: the
+    k-th turn), times ``weight``; a step without a reward (None) adds nothing. A row with more step rewards than
+    turns (a turn cut out of the mask) puts the rest on its last turn; a row without turns gets nothing."""
+    placed = torch.zeros(mask.shape, dtype=torch.float64)
+    for row, (rewards, ends) in enumerate(zip(turn_rewards, turn_ends(mask), strict=True)):
+        for step, reward in enumerate(rewards or []):
+            if reward is not None and ends:
+                placed[row, ends[min(step, len(ends) - 1)]] += weight * float(reward)
+    return placed.to(mask.device)
+
+
+def turn_discounts(mask: torch.Tensor, discount: float) -> torch.Tensor:
+    """Per-token factors for ``gae``'s ``discounts``: ``discount`` on the last sampled token of every turn but a
+    row's last (where the next turn's value and advantage are brought back), 1 elsewhere."""
+    factors = torch.ones(mask.shape, dtype=torch.float64)
+    for row, ends in enumerate(turn_ends(mask)):
+        for end in ends[:-1]:
+            factors[row, end] = discount
+    return factors.to(mask.device)
+
+
 def gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    discounts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation over each row's real tokens; returns ``(advantages, returns)``.
 
     delta_t = r_t + gamma * V_{t+1} - V_t with V = 0 after the last real token (the episode ends there);
     A_t = delta_t + gamma * lam * A_{t+1}; returns R_t = A_t + V_t. "t+1" is the next masked-in token: positions
     outside the mask (observations between turns, padding) are skipped, so a turn's advantage carries the later
-    turns' rewards and values through the tool result that separates them.
+    turns' rewards and values through the tool result that separates them. ``discounts`` (same shape, optional):
+    a further factor on gamma at each position (``turn_discounts``: a discount per turn, besides the one per token).
     """
     rewards, values, mask = rewards * mask, values * mask, mask.to(values.dtype)
     advantages = torch.zeros_like(values)
@@ -56,8 +95,9 @@ def gae(
     next_value = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.size(1))):
         real = mask[:, t]
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = delta + gamma * lam * next_advantage
+        step_gamma = gamma if discounts is None else gamma * discounts[:, t].to(values.dtype)
+        delta = rewards[:, t] + step_gamma * next_value - values[:, t]
+        advantage = delta + step_gamma * lam * next_advantage
         advantages[:, t] = advantage * real
         # A position outside the mask passes the later token's advantage and value through unchanged (after the last
         # real token they are still the zeros the episode ends with).

@@ -192,7 +192,9 @@ class GRPOTrainer(
     def _generate_and_score_completions(self, inputs):
         version = self.policy_version  # the engine serves it for this rollout (ensure_version)
         self._rollout_rewards = None
-        self._rollout_rows = inputs  # a GymRollout's environments reset from them (gym_rollout_mixin)
+        # A GymRollout's environments reset from these rows (gym_rollout_mixin), and TRL adds a rollout_func's extra
+        # fields to them, which _finish_rollout may read (PPO: each step's reward): they live for this call only.
+        self._rollout_rows = inputs
         try:
             if self._defers_old_logprobs():
                 # TRL's separate old-policy pass is skipped; the loss pass fills the correction (_deferred_correction).
@@ -201,18 +203,21 @@ class GRPOTrainer(
             else:
                 output = super()._generate_and_score_completions(inputs)
             rewards_per_func = self._rollout_rewards
+            if rewards_per_func is None:
+                raise RuntimeError(
+                    "TRL's rollout returned without computing rewards (_calculate_rewards was not called)."
+                )
+            batch = RolloutBatch.from_trl(
+                output,
+                rewards_per_func=rewards_per_func,
+                policy_version=version,
+                process_index=self.accelerator.process_index,
+            )
+            batch = self._finish_rollout(batch)
         finally:
             self._rollout_rewards = self._rollout_rows = None
-        if rewards_per_func is None:
-            raise RuntimeError("TRL's rollout returned without computing rewards (_calculate_rewards was not called).")
-        batch = RolloutBatch.from_trl(
-            output,
-            rewards_per_func=rewards_per_func,
-            policy_version=version,
-            process_index=self.accelerator.process_index,
-        )
         # Then the samples are dealt to the ranks by cost where that leaves the loss unchanged (balance_ranks).
-        return self._balance_ranks(self._finish_rollout(batch).to_trl())
+        return self._balance_ranks(batch.to_trl())
 
     def _finish_rollout(self, batch: RolloutBatch) -> RolloutBatch:
         """Seam: an algorithm adds its own per-rollout quantities to the batch TRL scored (PPO: KL-penalized rewards,

@@ -7,11 +7,19 @@ from __future__ import annotations
 import torch
 from transformers.utils import logging
 
+from ..agents.gym_rollout import TURN_REWARDS
 from ..options import option
 from ..passes.forward_recompute import recomputes, run_forward
 from ..passes.packed_rows import PackedRows, forward_token_limit
 from ..passes.packing_support import packing_unsupported_reason
-from ..ppo.advantages import gae, kl_penalty_rewards, masked_whiten, per_token_kl
+from ..ppo.advantages import (
+    gae,
+    kl_penalty_rewards,
+    masked_whiten,
+    per_token_kl,
+    place_turn_rewards,
+    turn_discounts,
+)
 from ..ppo.critic import SeparateCritic
 from ..rollout.batch import RolloutBatch
 
@@ -25,6 +33,10 @@ class PPOAdvantagesMixin:
         args, mode = self.args, "train"
         weights = self.reward_weights.to(batch.rewards_per_func.device)
         local_rewards = batch.local_rewards_per_func
+        turn_column = self._own_turn_reward_column()
+        if turn_column is not None:  # step_reward_credit="own_turn": that column's steps go on their turns (below)
+            weights = weights.clone()
+            turn_weight, weights[turn_column] = weights[turn_column].item(), 0.0
         scores = (local_rewards * weights).nansum(dim=1)
         # A row no reward function scored (every one returned None / NaN, e.g. reward_errors="skip") has no score:
         # nansum would make it 0 and train towards it. Its completion is masked out of the policy and value losses.
@@ -46,7 +58,14 @@ class PPOAdvantagesMixin:
                 values = self._values(input_ids, attention_mask, length, args.per_device_train_batch_size)
         kl = per_token_kl(batch.old_per_token_logps, ref_logps, args.kl_estimator) * mask
         rewards = kl_penalty_rewards(scores.to(kl.dtype), kl, self.kl_controller.value, mask)
-        advantages, returns = gae(rewards, values, mask, args.gamma, args.lam)
+        discounts = None
+        if turn_column is not None:
+            steps = [row.get(TURN_REWARDS) for row in self._rollout_rows]
+            step_rewards = place_turn_rewards(steps, mask, turn_weight).to(rewards.dtype)
+            rewards = rewards + step_rewards
+            scores = scores + step_rewards.sum(dim=1).to(scores.dtype)
+            discounts = turn_discounts(mask, self.rollout_func.turn_reward_discount)
+        advantages, returns = gae(rewards, values, mask, args.gamma, args.lam, discounts)
         raw_advantages = advantages
         if args.whiten_advantages:  # over every rank's tokens: the same on 2 x B/2 rows as on 1 x B
             advantages = masked_whiten(advantages, mask, sum_across_ranks=self._sum_across_ranks)
@@ -71,6 +90,13 @@ class PPOAdvantagesMixin:
         for key, value in metrics.items():
             self._metrics[mode][key].append(self.accelerator.gather(value.float().reshape(1)).mean().item())
         return batch
+
+    def _own_turn_reward_column(self) -> int | None:
+        """The reward column of a GymRollout's discounted step rewards when each step's reward goes on its own turn
+        (``step_reward_credit="own_turn"``), else None."""
+        if option(self.args, "step_reward_credit") != "own_turn":
+            return None
+        return self.reward_func_names.index(f"{self.rollout_func.name}_turns")
 
     def _reference_logps(self, input_ids, attention_mask, length) -> torch.Tensor:
         batch_size = self.args.per_device_train_batch_size

@@ -26,6 +26,8 @@ class PPOConfig(GRPOConfig):
         per sequence) and horizon (sequences).
     kl_estimator (`str`, defaults to `"k1"`): `"k1"` (log-ratio) or `"k3"`.
     gamma (`float`, defaults to `1.0`), lam (`float`, defaults to `0.95`): GAE discount and lambda.
+    step_reward_credit (`str`, defaults to `"sequence_end"`): with `rollout_func=GymRollout(...)`, where each
+        environment step's reward enters the per-token rewards: `"sequence_end"` or `"own_turn"`.
     whiten_advantages (`bool`, defaults to `True`): normalize advantages over the batch's completion tokens.
     cliprange_value (`float`, defaults to `0.2`), vf_coef (`float`, defaults to `0.1`): value-loss clipping and weight.
     target_kl (`float` or `None`): stop the remaining updates on a rollout once a mini-batch's approximate KL to the
@@ -58,6 +60,20 @@ class PPOConfig(GRPOConfig):
     )
     gamma: float = field(default=1.0, metadata={"help": "GAE discount factor over completion tokens."})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda (bias/variance trade-off of the advantages)."})
+    step_reward_credit: str = field(
+        default="sequence_end",
+        metadata={
+            "help": "With rollout_func=GymRollout(...): where each environment step's reward enters the per-token "
+            "rewards. 'sequence_end': the <Env>_turns reward column (the steps' rewards discounted by "
+            "turn_reward_discount and summed) on the trajectory's last sampled token, like every other reward "
+            "column, as GRPO scores it. 'own_turn': each step's reward on the last sampled token of the turn that "
+            "earned it (times that column's reward weight), and turn_reward_discount applied between turns in GAE "
+            "besides gamma, so a turn's advantage counts its own and later steps' rewards, not earlier ones. Default "
+            "'sequence_end': the trajectory reward TRL and GRPO give; the two have not been compared for learning "
+            "on this machine (the embedded tasks have no per-step reward).",
+            "choices": ["sequence_end", "own_turn"],
+        },
+    )
     whiten_advantages: bool = field(
         default=True, metadata={"help": "Normalize the advantages to zero mean and unit variance over the batch."}
     )
@@ -117,6 +133,10 @@ class PPOConfig(GRPOConfig):
                     "unset (or False)."
                 )
             self.ddp_find_unused_parameters = False
+        if self.step_reward_credit not in ("sequence_end", "own_turn"):
+            raise ValueError(
+                f"step_reward_credit must be 'sequence_end' or 'own_turn', got {self.step_reward_credit!r}."
+            )
         if not 0.0 <= self.lam <= 1.0 or not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
         if self.kl_target <= 0 or self.kl_horizon <= 0:

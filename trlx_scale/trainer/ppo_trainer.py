@@ -45,6 +45,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.utils import logging
 
+from ..agents.gym_rollout import GymRollout
 from ..losses.value_loss import clipped_value_loss
 from ..optim.master_weights import FP32MasterAdamW
 from ..ppo.critic import VALUE_HEAD_MODULE, SeparateCritic, SharedBaseCritic
@@ -105,6 +106,11 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, PPOCheckpointStateMixin, GRP
             raise ValueError("PPOTrainer needs args=PPOConfig(...) (the critic, GAE and KL fields live there).")
         if reward_funcs is None:
             raise ValueError("PPOTrainer needs reward_funcs: reward functions and/or a sequence-classification model.")
+        if args.step_reward_credit == "own_turn" and not isinstance(rollout_func, GymRollout):
+            raise ValueError(
+                "step_reward_credit='own_turn' places each environment step's reward on its own turn, which needs "
+                "rollout_func=GymRollout(...) (its steps' rewards); set step_reward_credit='sequence_end'."
+            )
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
