@@ -26,8 +26,9 @@ run: $(STAMP)
 		--num_processes $(NUM_PROCESSES) --num_machines 1 --mixed_precision no --dynamo_backend no \
 		examples/grpo.py $(ARGS)
 
+# Every test's time goes to outputs/test-times.xml (JUnit), to find what makes the suite slow.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=30 $(ARGS)
+	$(PY) -m pytest -q --durations=30 --junitxml=outputs/test-times.xml $(ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)

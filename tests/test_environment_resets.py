@@ -19,7 +19,7 @@ from trlx_scale.compat.trl_environment_resets import (
 class _Env:
     made = 0
 
-    def __init__(self, wait: threading.Barrier | None = None, hang: float = 0.0, fail: bool = False):
+    def __init__(self, wait: threading.Barrier | None = None, hang: threading.Event | None = None, fail: bool = False):
         _Env.made += 1
         self.wait, self.hang, self.fail = wait, hang, fail
         self.resets: list[dict] = []
@@ -30,7 +30,10 @@ class _Env:
             self.wait.wait()
         if self.fail:
             raise ValueError(f"no task {row['task']}")
-        time.sleep(self.hang)
+        if self.hang is not None:
+            self.hang.wait(
+                30
+            )  # hung until the test lets it go (an abandoned thread would hold the interpreter's exit)
         return f"observation {row['task']}"
 
 
@@ -85,11 +88,17 @@ def test_asynchronous_runs_draw_without_resetting():
 
 
 def test_a_hung_reset_is_named_within_its_timeout():
-    trainer = _TrainerLike({None: lambda: _Env(hang=30.0)})
+    released = threading.Event()
+    trainer = _TrainerLike({None: lambda: _Env(hang=released)})
     started = time.monotonic()
-    with pytest.raises(EnvironmentResetTimeout, match=r"2 of 2 _Env.reset calls did not return within tool_timeout"):
-        prepare_resets(trainer, [{"task": 0}, {"task": 1}], timeout=0.5)
-    assert time.monotonic() - started < 5
+    try:
+        with pytest.raises(
+            EnvironmentResetTimeout, match=r"2 of 2 _Env.reset calls did not return within tool_timeout"
+        ):
+            prepare_resets(trainer, [{"task": 0}, {"task": 1}], timeout=0.5)
+        assert time.monotonic() - started < 5
+    finally:
+        released.set()
 
 
 def test_a_reset_that_raises_raises_its_own_error_at_once():

@@ -1,7 +1,7 @@
 """2 processes x B/2 rows train like 1 process x B rows (through `accelerate launch`, 3 steps of each example): the
 same rewards, losses and gradient norms up to float rounding, for GRPO (colocated engine), PPO (separate full critic,
 separate LoRA critic, shared-base critic; each under DDP and under DeepSpeed ZeRO-3, where every role is partitioned),
-DPO offline and online.
+DPO offline and online (online under DDP and ZeRO-3).
 
 What makes it hold: per-request vLLM seeds keyed on the request's row in the global batch (the same samples whatever
 the number of processes), PPO's advantage whitening and value-loss mean over every rank's tokens, and online DPO's
@@ -66,6 +66,7 @@ def _single_process(example: str, extra: list[str], tmp_path_factory) -> list[di
         ("ppo", "ppo.py", ["--critic_mode", "shared_base"], "cpu_zero3.yaml", 29638),
         ("dpo", "dpo.py", [], "cpu_ddp.yaml", 29633),
         ("dpo-online", "dpo.py", ["--online"], "cpu_ddp.yaml", 29634),
+        ("dpo-online", "dpo.py", ["--online"], "cpu_zero3.yaml", 29630),
     ],
     ids=[
         "grpo-ddp",
@@ -77,6 +78,7 @@ def _single_process(example: str, extra: list[str], tmp_path_factory) -> list[di
         "ppo-shared-zero3",
         "dpo-ddp",
         "dpo-online-ddp",
+        "dpo-online-zero3",
     ],
 )
 def test_two_processes_train_like_one(name, example, extra, config, port, tmp_path, tmp_path_factory):
