@@ -12,8 +12,9 @@ import torch
 from datasets import Dataset
 
 from trlx_scale import GRPOTrainer
-from trlx_scale.tasks.tool_chat_template import tool_call_regex, with_tool_template
+from trlx_scale.tasks.tool_chat_template import with_tool_template
 
+from .helpers.inc_tool_calls import EVERY_TURN_CALLS_INC, inc, inc_dataset, length_reward
 from .helpers.trainers import logged, small_grpo_config
 
 
@@ -25,32 +26,8 @@ class _RecordingGRPOTrainer(GRPOTrainer):
         return self.recorded_loop
 
 
-def inc(a: int) -> int:
-    """Add one to an integer.
-
-    Args:
-        a: The integer.
-    """
-    return a + 1
-
-
-def _dataset(count: int) -> Dataset:
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i + 1}"}]} for i in range(count)])
-
-
 def _config(tmp_path, name: str, **overrides):
-    values = dict(
-        use_vllm=True,
-        vllm_mode="colocate",
-        max_steps=1,
-        max_completion_length=180,
-        vllm_max_model_length=256,
-        # Every turn of the untrained model is a tool call: the number of turns is max_tool_calling_iterations + 1.
-        vllm_structured_outputs_regex=tool_call_regex("inc", ("a",)),
-        max_tool_calling_iterations=2,
-    )
-    values.update(overrides)
-    return small_grpo_config(tmp_path / name, **values)
+    return small_grpo_config(tmp_path / name, **{**EVERY_TURN_CALLS_INC, **overrides})
 
 
 def _train(tmp_path, name, default_model_dir, default_tokenizer, trainer_cls=_RecordingGRPOTrainer, **kwargs):
@@ -59,9 +36,9 @@ def _train(tmp_path, name, default_model_dir, default_tokenizer, trainer_cls=_Re
     overrides = kwargs.pop("config", {})
     trainer = trainer_cls(
         model=AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32),
-        reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+        reward_funcs=length_reward,
         args=_config(tmp_path, name, **overrides),
-        train_dataset=_dataset(2),
+        train_dataset=inc_dataset(2),
         processing_class=with_tool_template(default_tokenizer),
         **kwargs,
     )
@@ -214,9 +191,9 @@ def test_a_trajectory_that_would_overflow_the_model_length_stops_inside_it(
     verbose_inc.__name__ = "inc"  # the structured-outputs regex makes every turn a call of `inc`
     trainer = _PromptRecordingGRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32),
-        reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+        reward_funcs=length_reward,
         args=_config(tmp_path, "overflow", max_completion_length=250, max_tool_calling_iterations=8),
-        train_dataset=_dataset(2),
+        train_dataset=inc_dataset(2),
         processing_class=with_tool_template(default_tokenizer),
         tools=[verbose_inc],
     )
@@ -305,7 +282,7 @@ def test_multi_turn_losses_are_the_same_in_packed_padded_and_shared_prefix_passe
                 max_tool_calling_iterations=2,
                 **overrides,
             ),
-            train_dataset=_dataset(2),
+            train_dataset=inc_dataset(2),
             processing_class=tokenizer,
             tools=[inc_text],
         )

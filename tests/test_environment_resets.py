@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ from trlx_scale.compat.trl_environment_resets import (
     installed,
     prepare_resets,
 )
+from trlx_scale.trainer.environment_reset_mixin import EnvironmentResetMixin
 
 
 class _Env:
@@ -53,7 +55,31 @@ def test_the_draw_hands_out_what_trls_pool_would_and_grows_it_once():
     assert [len(pool) for pool in trainer._environment_pool.values()] == [2, 2]
     assert first == [trainer._environment_pool[n][k] for n, k in (("a", 0), ("b", 0), ("a", 1), ("b", 1))]
     assert draw_like_trl(trainer, rows[:2]) == first[:2]  # each batch starts from index 0, as TRL's cursor does
-    assert draw_like_trl(trainer, [{"environment": "c"}]) == []  # TRL names the unknown environment itself
+    # TRL's error for an unknown environment, raised before any pool grows (so every rank hears of it at once).
+    with pytest.raises(ValueError, match=r"`environment='c'`, which is not among the environments passed to"):
+        draw_like_trl(trainer, [{"environment": "a"}] * 3 + [{"environment": "c"}])
+    assert [len(pool) for pool in trainer._environment_pool.values()] == [2, 2]
+
+
+def test_multi_environment_resets_leave_the_routing_column_out_and_trls_call_matches_them():
+    trainer = _TrainerLike({"a": _Env, "b": _Env}, multi=True)
+    rows = [{"environment": name, "task": i} for i, name in enumerate("aba")]
+    prepared = prepare_resets(trainer, rows, timeout=10)
+    assert [env.resets for env in prepared.environments] == [[{"task": 0}], [{"task": 1}], [{"task": 2}]]
+    with installed(prepared):
+        for env, row in zip(prepared.environments, rows, strict=True):
+            # TRL's multi-environment call: a new dict without the routing column, the same values.
+            assert env.reset(**{k: v for k, v in row.items() if k != "environment"}) == f"observation {row['task']}"
+    assert all(len(env.resets) == 1 for env in prepared.environments)
+
+
+def test_the_shadows_are_removed_when_the_rollout_raises():
+    trainer = _TrainerLike({None: _Env})
+    prepared = prepare_resets(trainer, [{"task": 0}, {"task": 1}], timeout=10)
+    with pytest.raises(RuntimeError, match="the engine died"), installed(prepared):
+        assert all("reset" in vars(env) for env in prepared.environments)
+        raise RuntimeError("the engine died")
+    assert all("reset" not in vars(env) for env in prepared.environments)
 
 
 def test_resets_run_at_once_and_trls_call_reads_their_observations():
@@ -117,3 +143,40 @@ def test_environments_without_an_instance_dict_keep_trls_serial_resets():
             raise AssertionError("not reset here")
 
     assert prepare_resets(_TrainerLike({None: Slotted}), [{"task": 0}], timeout=1) is None
+
+
+class _TRLLikeRollout:
+    """TRL 1.16's draw and serial reset loop, as its ``_generate_and_score_completions`` runs them (the lines the
+    contract test pins), under the mixin."""
+
+    def __init__(self, factories: dict, scheduling: str):
+        self.environment_factories, self._multi_environment = factories, False
+        self._environment_pool = {name: [] for name in factories}
+        self.args = SimpleNamespace(tool_scheduling=scheduling, tool_timeout=10.0)
+        self.accelerator = None  # one process
+        self.model = SimpleNamespace(training=True)
+
+    def _generate_and_score_completions(self, inputs):
+        self.environments = draw_like_trl(self, inputs)
+        return [environment.reset(**x) for environment, x in zip(self.environments, inputs, strict=True)]
+
+
+class _Trainer(EnvironmentResetMixin, _TRLLikeRollout):
+    pass
+
+
+@pytest.mark.parametrize("scheduling", ["concurrent", "lockstep"])
+def test_the_mixin_resets_at_once_under_concurrent_scheduling_and_leaves_lockstep_to_trl(scheduling):
+    threads = []
+
+    class Recording(_Env):
+        def reset(self, **row):
+            threads.append(threading.current_thread().name)
+            return super().reset(**row)
+
+    barrier = threading.Barrier(3, timeout=5) if scheduling == "concurrent" else None
+    trainer = _Trainer({None: lambda: Recording(wait=barrier)}, scheduling)
+    rows = [{"task": i} for i in range(3)]
+    assert trainer._generate_and_score_completions(rows) == [f"observation {i}" for i in range(3)]
+    assert len(threads) == 3
+    assert ("MainThread" not in threads) == (scheduling == "concurrent")

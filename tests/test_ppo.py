@@ -471,17 +471,9 @@ def test_ppo_trains_on_gym_episodes_with_observations_out_of_the_loss(default_mo
 def test_ppo_runs_tool_calls_through_the_concurrent_loop(default_model_dir, default_tokenizer, tmp_path):
     """PPOTrainer with TRL's tools=[fn]: every turn of the untrained model is a call (structured outputs), the tool
     results are out of the loss mask, and GAE gives them no advantage while the sampled tokens around them get one."""
-    from datasets import Dataset
+    from trlx_scale.tasks.tool_chat_template import with_tool_template
 
-    from trlx_scale.tasks.tool_chat_template import tool_call_regex, with_tool_template
-
-    def inc(a: int) -> int:
-        """Add one to an integer.
-
-        Args:
-            a: The integer.
-        """
-        return a + 1
+    from .helpers.inc_tool_calls import EVERY_TURN_CALLS_INC, inc, inc_dataset, length_reward
 
     class Recording(PPOTrainer):
         def _finish_rollout(self, batch):
@@ -490,18 +482,9 @@ def test_ppo_runs_tool_calls_through_the_concurrent_loop(default_model_dir, defa
 
     trainer = Recording(
         model=default_model_dir,
-        reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-        args=_args(
-            tmp_path,
-            use_vllm=True,
-            vllm_mode="colocate",
-            max_steps=1,
-            max_completion_length=180,
-            vllm_max_model_length=256,
-            vllm_structured_outputs_regex=tool_call_regex("inc", ("a",)),
-            max_tool_calling_iterations=2,
-        ),
-        train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i + 1}"}]} for i in range(2)]),
+        reward_funcs=length_reward,
+        args=_args(tmp_path, **EVERY_TURN_CALLS_INC),
+        train_dataset=inc_dataset(2),
         processing_class=with_tool_template(default_tokenizer),
         peft_config=LORA,
         tools=[inc],

@@ -26,7 +26,9 @@ class AgentFields:
             "thread under tool_timeout, and its next turn goes to the engine as soon as its tools returned, while "
             "other trajectories generate or wait on theirs: vLLM's continuous batching takes whatever is ready); "
             "'lockstep' is TRL's loop (every turn waits for the whole batch's generations and tools, synchronous "
-            "tools one after another). The same tokens, masks and messages either way. Default 'concurrent': "
+            "tools one after another). Under 'concurrent' an environment_factory's reset calls also run all at "
+            "once off the trainer's thread, each under tool_timeout; 'lockstep' keeps TRL's serial resets (for "
+            "resets that are not thread-safe). The same tokens, masks and messages either way. Default 'concurrent': "
             "faster whenever tools take time or trajectories need different numbers of turns "
             "(docs/benchmarks.md, 'Multi-turn tool calls'). Other engines always use TRL's loop.",
             "choices": list(TOOL_SCHEDULINGS),
@@ -37,7 +39,8 @@ class AgentFields:
         metadata={
             "help": "Seconds a tool call may take under tool_scheduling='concurrent'; past it the call is cancelled "
             "(a coroutine) or abandoned (a synchronous tool's thread runs on, its result dropped) and the model "
-            "reads a tool error, as for a tool that raised. Counted apart in tools/timeout. Default 300: a safety "
+            "reads a tool error, as for a tool that raised. Counted apart in tools/timeout. Also the bound of each "
+            "environment's reset, past which the step stops with EnvironmentResetTimeout. Default 300: a safety "
             "bound, not a speed setting (no step waits on a hung tool past it), above the minutes a sandboxed test "
             "run can take."
         },

@@ -7,7 +7,7 @@ loads a repository (seconds) then costs the batch size times that per step, and 
 leaves no hook between the draw and that loop.
 
 The workaround does the draw's work first, with nothing in TRL changed: it grows the pool as TRL would (so TRL then
-hands out the very instances prepared here), runs every reset concurrently in a thread pool under a timeout, and
+hands out the very instances prepared here), runs every reset at once, each in a thread of its own under a timeout, and
 gives each drawn instance an *instance* attribute ``reset`` (it shadows the class's method for TRL's one call, then
 removes itself) that returns the observation already computed. Tool discovery is unaffected: TRL lists an
 environment's tools from its class. If TRL calls ``reset`` with other arguments than the ones prepared, the
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -73,12 +74,17 @@ def _reset_arguments(row: dict, multi_environment: bool) -> dict:
 
 
 def draw_like_trl(trainer: Any, inputs: list[dict]) -> list[Any]:
-    """The environment instances TRL's rollout will hand to ``inputs`` (growing its pool as TRL would)."""
+    """The environment instances TRL's rollout will hand to ``inputs`` (growing its pool as TRL would). A row naming
+    an environment that is not among the factories raises TRL's error, before any pool grows, as TRL does."""
     names = [x.get("environment") if trainer._multi_environment else None for x in inputs]
+    for name in dict.fromkeys(names):
+        if name not in trainer.environment_factories:
+            raise ValueError(
+                f"Example has `environment={name!r}`, which is not among the environments passed to "
+                f"`environment_factory`. Expected one of: {list(trainer.environment_factories)}."
+            )
     drawn, handed = [], Counter()
     for name in names:
-        if name not in trainer.environment_factories:
-            return []  # TRL raises its own error for the unknown name: leave the batch to it
         pool = trainer._environment_pool[name]
         if handed[name] == len(pool):
             pool.append(trainer.environment_factories[name]())
@@ -124,22 +130,29 @@ def installed(prepared: PreparedResets | None) -> Iterator[None]:
 
 
 def run_resets(environments: list[Any], arguments: list[dict], timeout: float) -> list[Any]:
-    """Every ``environment.reset(**kwargs)`` at once in threads; their observations in order. A reset's own error is
-    raised as it is; one still running after ``timeout`` seconds raises ``EnvironmentResetTimeout`` (its thread is
-    abandoned, its result dropped)."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(64, len(environments)), thread_name_prefix="reset")
-    try:
-        futures = [pool.submit(env.reset, **kwargs) for env, kwargs in zip(environments, arguments, strict=True)]
-        done, pending = concurrent.futures.wait(futures, timeout=timeout, return_when="FIRST_EXCEPTION")
-        for future in futures:  # the first failure in batch order, for a message that does not depend on timing
-            if future in done and future.exception() is not None:
-                raise future.exception()
-        if pending:
-            name = type(environments[futures.index(next(iter(pending)))]).__name__
-            raise EnvironmentResetTimeout(
-                f"{len(pending)} of {len(futures)} {name}.reset calls did not return within tool_timeout={timeout:g} "
-                "s. Make reset faster or raise tool_timeout."
-            )
-        return [future.result() for future in futures]
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    """Every ``environment.reset(**kwargs)`` at once, each in a thread of its own; their observations in order. A
+    reset's own error is raised as it is; one still running after ``timeout`` seconds raises
+    ``EnvironmentResetTimeout``: its thread (a daemon, so that it does not hold the interpreter's exit) is abandoned
+    and its result dropped."""
+    futures = [concurrent.futures.Future() for _ in environments]
+
+    def reset(future: concurrent.futures.Future, environment: Any, kwargs: dict) -> None:
+        try:
+            future.set_result(environment.reset(**kwargs))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+            future.set_exception(error)
+
+    for index, (future, environment, kwargs) in enumerate(zip(futures, environments, arguments, strict=True)):
+        name = f"trlx-scale-reset-{index}"
+        threading.Thread(target=reset, args=(future, environment, kwargs), name=name, daemon=True).start()
+    done, pending = concurrent.futures.wait(futures, timeout=timeout, return_when="FIRST_EXCEPTION")
+    for future in futures:  # the first failure in batch order, for a message that does not depend on timing
+        if future in done and future.exception() is not None:
+            raise future.exception()
+    if pending:
+        name = type(environments[futures.index(next(iter(pending)))]).__name__
+        raise EnvironmentResetTimeout(
+            f"{len(pending)} of {len(futures)} {name}.reset calls did not return within tool_timeout={timeout:g} s. "
+            "Make reset faster or raise tool_timeout."
+        )
+    return [future.result() for future in futures]

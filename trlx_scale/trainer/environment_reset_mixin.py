@@ -1,7 +1,8 @@
 """``EnvironmentResetMixin``: TRL's ``environment_factory`` environments are reset off the trainer's thread.
 
-TRL 1.16 resets each rollout's environment in a loop on the trainer's thread before the first turn. This mixin runs
-those resets first, concurrently in threads under ``tool_timeout``, and TRL's loop then reads their observations
+TRL 1.16 resets each rollout's environment in a loop on the trainer's thread before the first turn. Under
+``tool_scheduling="concurrent"`` (the default; "lockstep" keeps TRL's loop) this mixin runs those resets first, all
+at once in threads, each under ``tool_timeout``, and TRL's loop then reads their observations
 (``compat.trl_environment_resets``). A reset that raises or outlives the timeout on any rank stops every rank at once
 with the error named (``reliability.rank_agreement``), before anyone enters generation. ``AsyncGRPOTrainer`` does not
 reset TRL's instances at all (``_resets_trl_environments``): its producer resets environments of its own for each
@@ -23,7 +24,8 @@ class EnvironmentResetMixin:
     """Part of ``GRPOTrainer`` (see the module docstring)."""
 
     def _generate_and_score_completions(self, inputs):
-        if self.environment_factories is None:
+        if self.environment_factories is None or option(self.args, "tool_scheduling") != "concurrent":
+            # "lockstep" is TRL's loop throughout, its serial resets included (for resets that are not thread-safe).
             return super()._generate_and_score_completions(inputs)
         if not trl_environment_resets.supported():
             if not getattr(self, "_told_serial_resets", False):
