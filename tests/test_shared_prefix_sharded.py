@@ -27,7 +27,8 @@ def _zero3_run(
     out = tmp_path / shared_prefix
     config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml")
     command = [ACCELERATE, "launch", "--config_file", config, "--main_process_port", str(port), EXAMPLE]
-    command += ["--max_steps", "2", "--eval_size", "0", "--logging_steps", "1", "--output_dir", str(out)]
+    # 8 held-out prompts: the accuracy is not what is compared (0 would score the embedded task's whole split).
+    command += ["--max_steps", "2", "--eval_size", "8", "--logging_steps", "1", "--output_dir", str(out)]
     command += ["--per_device_train_batch_size", "32", "--shared_prefix", shared_prefix]
     command += ["--gradient_checkpointing", checkpointing, *extra]
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
