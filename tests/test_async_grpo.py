@@ -664,6 +664,75 @@ def test_a_partial_full_weight_delivery_is_refused_by_name(server, default_model
     assert len(client.prompt_logprobs([1, 5, 6, 7], 0)[0]) == 3
 
 
+def test_a_kept_reload_does_not_wait_for_the_requests_in_flight(server, default_model, default_model_dir, tmp_path):
+    """full_weight_reload='keep': a reload lands while a long group is being sampled; it returns before the group does
+    (no drain), and the group's tokens name the versions that sampled them: the first ones the old weights', the rest
+    the new ones' (vLLM's per-token weight versions), the group's version its oldest token's. Drain mode's
+    /v1/completions requests still work on the same server."""
+    import asyncio
+
+    from trlx_scale.rollout.async_producer import GroupRequest
+
+    client = VLLMServerClient(
+        [server.url], model=default_model_dir, sampling=SamplingSettings(200), keep_requests_on_reload=True
+    )
+    old = write_full_weights(default_model, str(tmp_path / "v0"))
+    client.reload_weights(0, old)
+    with torch.no_grad():
+        default_model.lm_head.weight.mul_(1.5)  # another version: any visible change of the log-probs
+    new = write_full_weights(default_model, str(tmp_path / "v1"))
+    request = GroupRequest(index=0, prompt=[1, 5, 6, 7], num_generations=128, version=0, seed=3)
+
+    async def sample_across_a_reload():
+        try:
+            group = asyncio.create_task(client.sample(request))
+            await asyncio.sleep(0.05)  # the group's first tokens come from version 0 (its prefill alone took longer)
+            await asyncio.to_thread(client.reload_weights, 1, new)
+            reloaded_before_the_group_ended = not group.done()
+            return await group, reloaded_before_the_group_ended
+        finally:
+            await client.aclose()
+
+    try:
+        sampled, reloaded_first = asyncio.run(sample_across_a_reload())
+    finally:
+        client.reload_weights(0, old)  # the base back, for the module's later trainers
+    assert reloaded_first
+    assert len(sampled.token_versions) == 128
+    for ids, versions, logprobs in zip(sampled.completion_ids, sampled.token_versions, sampled.logprobs, strict=True):
+        assert len(versions) == len(ids) == len(logprobs)
+        assert versions == sorted(versions) and set(versions) <= {0, 1}
+    assert sampled.version == 0
+    assert any(1 in versions for versions in sampled.token_versions)
+    drained = VLLMServerClient([server.url], model=default_model_dir, sampling=SamplingSettings(4))
+    assert len(drained.prompt_logprobs([1, 5, 6, 7], 0)[0]) == 3
+
+
+def test_kept_reloads_train_with_every_tokens_policy_version(server, default_model_dir, tmp_path):
+    """The trainer with full_weight_reload='keep' at max_staleness=2: no request hold around a reload, every
+    token's policy version reaches the batch (a row's version is its oldest token's, none newer than the trainer's),
+    the share of tokens a reload reached mid-completion is logged, and every update is verified as before."""
+    trainer = _async(tmp_path, default_model_dir, server, max_staleness=2, full_weight_reload="keep")
+    seen = []
+    original = trainer._finish_rollout
+
+    def record(batch):
+        batch = original(batch)
+        seen.append((trainer.policy_version, batch.policy_version.clone(), batch.token_policy_version.clone()))
+        return batch
+
+    trainer._finish_rollout = record
+    trainer.train()
+    assert len(seen) == 4
+    for policy_version, rows, tokens in seen:
+        assert tokens.shape[0] == rows.shape[0]
+        assert bool((tokens >= rows[:, None]).all()) and bool((tokens <= policy_version).all())
+    shares = logged(trainer, "async/tokens_after_update_frac")
+    assert len(shares) == 4 and all(0.0 <= share <= 1.0 for share in shares)
+    assert len(logged(trainer, "sync/probe_logprob_gap")) == 4
+    assert all(gap < 1e-3 for gap in logged(trainer, "sync/probe_logprob_gap"))
+
+
 def test_a_server_that_dies_mid_run_stops_the_run_with_its_exit(default_model_dir, tmp_path):
     """The trainer's own server is killed after step 2 (as an out-of-memory kill would): the next step fails with
     an error that says the server died and shows its exit, within request_timeout, and nothing is left running."""

@@ -30,6 +30,11 @@ from .helpers.trainers import small_grpo_config
         ({"vllm_server_weight_transfer": "ipc"}, "vllm_server_weight_transfer='ipc': choose 'files'"),
         ({"sequence_behaviour_weight": "median"}, "sequence_behaviour_weight='median': choose 'product'"),
         ({"async_reward_workers": 0}, "async_reward_workers must be at least 1"),
+        ({"full_weight_reload": "abort"}, "full_weight_reload='abort': choose 'drain'"),
+        (
+            {"full_weight_reload": "keep", "vllm_server_weight_transfer": "nccl"},
+            "full_weight_reload='keep' .*use full_weight_reload='drain' with it",
+        ),
         # A truncating or penalising sampler would bias the correction (its log-probs are not the trainer's).
         ({"top_p": 0.9}, "top_p=0.9: .*weights of an unchanged policy would not be 1"),
         ({"top_k": 5}, "top_k=5: .*Leave top_k at its default"),

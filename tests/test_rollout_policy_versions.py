@@ -47,3 +47,24 @@ def test_a_window_saved_without_policy_versions_falls_back_to_the_rollout(tmp_pa
     torch.save(state, path)
     _, (restored,) = load_window(path)
     assert RolloutPolicyVersions.of(restored.sampled) == 3
+
+
+def test_each_tokens_policy_version_when_a_reload_landed_inside_a_completion(tmp_path):
+    """full_weight_reload='keep': the server's per-token rollout versions become policy versions (rollout 2 reused
+    rollout 1's weights: a skipped step), survive the checkpoint's window, and groups without them get their own
+    version for every token."""
+    versions = RolloutPolicyVersions()
+    for rollout, policy_version in [(0, 0), (1, 1), (2, 1), (3, 2)]:
+        versions.record(rollout, policy_version)
+    group = _group(0, 1)
+    group.sampled.token_versions = [[1, 3]]  # the second token after rollout 3's reload
+    versions.tag(group.sampled)
+    assert RolloutPolicyVersions.of(group.sampled) == 1
+    assert RolloutPolicyVersions.of_tokens(group.sampled) == [[1, 2]]
+    path = str(tmp_path / "window.pt")
+    save_window(path, [group], {})
+    _, restored = load_window(path)
+    assert RolloutPolicyVersions.of_tokens(restored[0].sampled) == [[1, 2]]
+    plain = _group(1, 2)
+    versions.tag(plain.sampled)
+    assert RolloutPolicyVersions.of_tokens(plain.sampled) == [[1, 1]]

@@ -13,9 +13,13 @@ Which weights answer is part of the request, and checked on the answer:
   (Never a base-model request beside LoRA ones: on vLLM 0.32's CPU LoRA kernels the base requests of a mixed batch
   get the last adapter's outputs, since "no adapter" is index -1.)
 - Full weights: the server reloads the version's files (``reload_weights``: pause, ``reload_weights`` through
-  ``/collective_rpc``, reset the prefix cache, resume); requests in flight finish on the old weights first
-  (``/pause?mode=wait``), and the trainer reloads inside a hold of the client's ``RequestGate``, which every
-  sampling request passes: the version recorded at sending is the one that answers.
+  ``/collective_rpc``, reset the prefix cache, resume). Requests in flight either finish on the old weights first
+  (``keep_requests_on_reload=False``: ``/pause?mode=wait``, and the trainer reloads inside a hold of the client's
+  ``RequestGate``, which every sampling request passes, so the version recorded at sending is the one that answers),
+  or stay where they are (``True``: ``/pause?mode=keep``; the reload resets their KV cache, so their next tokens are
+  the new weights' on their whole context, and they continue). Then every token names the version that sampled it:
+  requests go to the token-in/token-out endpoint (``token_generate_endpoint``), whose answers carry vLLM's
+  per-token weight versions, and the version of a group is its oldest token's.
 
 Faults are errors within ``request_timeout`` seconds, never a hang: an unreachable server
 (``ServerUnreachableError``), a server that serves another model (``ServerModelMismatchError``), a server that dies
@@ -37,6 +41,7 @@ from transformers.utils import logging
 from ..compat.vllm_checked_reload import CHECKED_RELOAD_METHOD
 from ..rollout.async_producer import GroupRequest, SampledGroup
 from ..rollout.request_gate import RequestGate
+from .token_generate_endpoint import GENERATE_PATH, SCALE_OUT_DISABLED, generate_body, read_choice
 from .vllm_server import VLLMServerProcess
 
 logger = logging.get_logger(__name__)
@@ -109,6 +114,7 @@ class VLLMServerClient:
         lora: bool = False,
         process: VLLMServerProcess | None = None,
         prompt_ids: Callable[[Any], list[int]] = default_prompt_ids,
+        keep_requests_on_reload: bool = False,
     ):
         if not base_urls:
             raise ValueError("vllm_server_base_url: give at least one server URL.")
@@ -119,6 +125,8 @@ class VLLMServerClient:
         self.lora = lora
         self.process = process
         self.prompt_ids = prompt_ids
+        # Full weights only (adapters never pause the servers): see the module docstring.
+        self.keep_requests_on_reload = keep_requests_on_reload and not lora
         self.full_weights_version: int = 0  # the base weights the servers started with are version 0
         self.loaded_adapters: dict[int, str] = {}
         # Every sampling request passes it: a full-weight reload holds it (``RolloutProducer.hold_requests``), so
@@ -157,6 +165,12 @@ class VLLMServerClient:
         if response.status_code == 200:
             return
         text = response.text[:500]
+        if response.status_code == 403 and SCALE_OUT_DISABLED in text:
+            raise ServerFailedError(
+                f"the vLLM server at {url} has no token-in/token-out endpoint ({GENERATE_PATH}), which "
+                "full_weight_reload='keep' samples through (it reports which weights sampled each token). Start "
+                "the server with --enable-scale-out (`trlx-scale serve` does), or set full_weight_reload='drain'."
+            )
         if response.status_code == 404 and "does not exist" in text:
             raise ServerModelMismatchError(
                 f"the vLLM server at {url} does not serve the model {what} asks for: {text}. Point "
@@ -203,6 +217,9 @@ class VLLMServerClient:
     async def sample(self, request: GroupRequest) -> SampledGroup:
         """One group: ``request.num_generations`` completions of the prompt by ``request.version``."""
         url = self.base_urls[request.index % len(self.base_urls)]
+        prompt_ids = self.prompt_ids(request.prompt)
+        if self.keep_requests_on_reload:
+            return await self._sample_versioned(url, request, prompt_ids)
         async with self.gate.request():
             if self.lora:
                 name, version = self.model_for(request.version), request.version
@@ -210,7 +227,7 @@ class VLLMServerClient:
                 name, version = self.model, self.full_weights_version
             body = {
                 "model": name,
-                "prompt": self.prompt_ids(request.prompt),
+                "prompt": prompt_ids,
                 "n": request.num_generations,
                 "seed": request.seed,
                 "logprobs": 0,
@@ -228,7 +245,27 @@ class VLLMServerClient:
             logprobs=[list(choice["logprobs"]["token_logprobs"]) for choice in choices],
             completions=[choice["text"] for choice in choices],
             version=version,
-            prompt_ids=body["prompt"],
+            prompt_ids=prompt_ids,
+        )
+
+    async def _sample_versioned(self, url: str, request: GroupRequest, prompt_ids: list[int]) -> SampledGroup:
+        """A group whose requests a reload keeps in flight: each token's version from the server; the group's
+        version is its oldest token's (the staleness it is admitted and trained with), and a group that sampled no
+        token has the version the servers held when it was sent."""
+        sent_at = self.full_weights_version
+        body = generate_body(
+            self.model, prompt_ids, n=request.num_generations, seed=request.seed, sampling=self.sampling.body()
+        )
+        answer = await self._post_completion(url, body, f"group {request.index}", path=GENERATE_PATH)
+        choices = sorted((read_choice(choice) for choice in answer["choices"]), key=lambda choice: choice.index)
+        versions = [choice.token_versions for choice in choices]
+        return SampledGroup(
+            completion_ids=[choice.token_ids for choice in choices],
+            logprobs=[choice.logprobs for choice in choices],
+            completions=[choice.text for choice in choices],
+            version=min((min(v) for v in versions if v), default=sent_at),
+            prompt_ids=prompt_ids,
+            token_versions=versions,
         )
 
     async def sample_turn(
@@ -245,6 +282,22 @@ class VLLMServerClient:
         (``RequestGate``), so a trajectory's turns after a reload are sampled by the new weights, and each turn's
         log-probs are those of the weights that sampled it."""
         url = self.base_urls[replica % len(self.base_urls)]
+        if self.keep_requests_on_reload:
+            sampling = {key: value for key, value in self.sampling.body().items() if key != "max_tokens"}
+            body = generate_body(
+                self.model, prompt_ids, n=1, seed=seed, sampling={**sampling, "max_tokens": max_tokens}
+            )
+            answer = await self._post_completion(url, body, "a trajectory's turn", path=GENERATE_PATH)
+            choice = read_choice(answer["choices"][0])
+            finish = "length" if choice.finish_reason == "length" else "stop"
+            # The turn's oldest token's version: a turn a reload cut through counts as the older weights'.
+            served = min(choice.token_versions, default=self.full_weights_version)
+            if served < version:
+                raise RuntimeError(
+                    f"a trajectory started on version {version} continued on version {served}: versions went "
+                    "backwards."
+                )
+            return choice.token_ids, choice.logprobs, finish, served
         async with self.gate.request():
             if self.lora:
                 name, served = self.model_for(version), version
@@ -271,13 +324,16 @@ class VLLMServerClient:
         finish = "length" if choice.get("finish_reason") == "length" else "stop"
         return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"]), finish, served
 
-    async def _post_completion(self, url: str, body: dict[str, Any], what: str) -> dict[str, Any]:
-        """``/v1/completions`` on the producer's event loop, a dropped keep-alive connection retried."""
+    async def _post_completion(
+        self, url: str, body: dict[str, Any], what: str, path: str = "/v1/completions"
+    ) -> dict[str, Any]:
+        """``/v1/completions`` (or ``path``) on the producer's event loop, a dropped keep-alive connection
+        retried."""
         if self._async_client is None:  # made on the producer's event loop, which it then belongs to
             self._async_client = httpx.AsyncClient(timeout=self.request_timeout, verify=self._tls)
         for attempt in range(TRANSPORT_RETRIES + 1):
             try:
-                response = await self._async_client.post(url + "/v1/completions", json=body)
+                response = await self._async_client.post(url + path, json=body)
                 break
             except httpx.HTTPError as error:
                 # A keep-alive connection the server closed as the request went out (uvicorn drops idle ones after
@@ -346,12 +402,30 @@ class VLLMServerClient:
             # vLLM 0.32 answers a bad path with an error but leaves its weights unloaded, and dies at the next request.
             raise FileNotFoundError(f"no safetensors weights in {path}: not sent to the server.")
         began, paused = time.monotonic(), 0.0
+        keep = self.keep_requests_on_reload
         for url in self.base_urls:
-            self._request("POST", url, "/pause", "the pause", params={"mode": "wait"})
+            self._request("POST", url, "/pause", "the pause", params={"mode": "keep" if keep else "wait"})
             pause_began = time.monotonic()
             try:
                 self._reload_from_files(url, path)
-                self._request("POST", url, "/reset_prefix_cache", "the prefix-cache reset")
+                if keep:
+                    # Tokens from here on are the new version's; the requests kept in flight give up their KV
+                    # cache (computed by the old weights) and recompute it with the new ones when they resume.
+                    self._request(
+                        "POST", url, "/update_weight_version", "the weight version", json={"new_version": str(version)}
+                    )
+                reset = self._request(
+                    "POST",
+                    url,
+                    "/reset_prefix_cache",
+                    "the prefix-cache reset",
+                    params={"reset_running_requests": "true"} if keep else None,
+                )
+                if keep and not reset.json().get("success", False):
+                    raise ServerFailedError(
+                        f"the vLLM server at {url} did not reset its prefix cache after loading version {version}: "
+                        "later requests would reuse states the old weights computed."
+                    )
             finally:
                 self._request("POST", url, "/resume", "the resume")
             paused = max(paused, time.monotonic() - pause_began)

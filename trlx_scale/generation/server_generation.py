@@ -9,8 +9,9 @@
    rollouts sampled the initial policy for the whole run): the servers' log-probs of a probe sequence must match
    the trainer's own by the new weights within ``verify_tolerance``, else the run stops with an error. Then the
    version is published to the producer, and the adapters no group can still ask for are unloaded. A full-weight
-   reload holds every rank's requests from before it until every rank knows the new version, so no sample carries
-   the tag of weights that did not sample it.
+   reload either holds every rank's requests from before it until every rank knows the new version, so no sample
+   carries the tag of weights that did not sample it (``full_weight_reload="drain"``), or keeps them in flight at
+   the servers, which tag every token with the version that sampled it (``"keep"``).
 2. Completions (``generate``): TRL's call for a rollout takes the producer's next groups, checks that their prompts
    are the ones TRL tokenized, and returns them in TRL's shape. The groups stay available (``last_groups``) for the
    rewards the producer computed. An evaluation rollout's prompts are sampled at once instead, by the version
@@ -149,8 +150,9 @@ class ServerGeneration:
         """Full weights: no rank's producer sends a request from before the reload until every rank knows the new
         version. A server reloads in place, so a request's version is the one its client knew when sending it; one
         sent while the server is paused for the reload would wait there, be sampled by the new weights, and carry
-        the old version's tag. Adapters need no hold: each request names its version's adapter."""
-        if self.sync_mode == "lora":
+        the old version's tag. Adapters need no hold: each request names its version's adapter. Nor do requests the
+        reload keeps in flight (``full_weight_reload="keep"``): the server tags each token with its version."""
+        if self.sync_mode == "lora" or self.client.keep_requests_on_reload:
             yield
             return
         with self._held_on_every_rank("holding requests for a full-weight reload"):

@@ -9,7 +9,9 @@ The flags are the ones the asynchronous trainer needs (``ServerLaunch.arguments`
   reload), ``/reset_prefix_cache``;
 - ``--logprobs-mode processed_logprobs``: the log-probs of the distribution the engine sampled from, after
   temperature (what the trainer's log-probs are compared with; TRL's colocated engine uses the same mode);
-- ``--enable-prefix-caching`` (a group's prompt is computed once for its n samples), ``--dtype``, ``--seed``.
+- ``--enable-prefix-caching`` (a group's prompt is computed once for its n samples), ``--dtype``, ``--seed``;
+- ``--enable-scale-out``: the token-in/token-out endpoint, whose answers name each token's weight version (full-weight
+  reloads that keep requests in flight sample through it: ``token_generate_endpoint``).
 
 The process runs under a watchdog (``server_watchdog.py``) bound to the process that started it: the server and its
 engine processes run in a session of their own, so stopping them leaves no engine or worker process behind, and
@@ -87,6 +89,9 @@ class ServerLaunch:
         argv = server_command(self.model, python)
         argv += ["--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--seed", str(self.seed)]
         argv += ["--enable-prefix-caching", "--logprobs-mode", "processed_logprobs"]
+        # The token-in/token-out endpoint, whose answers name the weights that sampled each token: what full-weight
+        # reloads that keep requests in flight sample through (token_generate_endpoint).
+        argv += ["--enable-scale-out"]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
         if self.max_model_len:

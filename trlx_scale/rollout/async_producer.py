@@ -56,7 +56,9 @@ class GroupRequest:
 @dataclass
 class SampledGroup:
     """What a sampler returns: the completions (token ids and, for rewards, text), the behaviour policy's log-prob of
-    each sampled token, and the version that sampled them (the server's answer, not the request's)."""
+    each sampled token, and the version that sampled them (the server's answer, not the request's). Where a weight
+    update can land inside a completion (full weights reloaded with requests kept in flight), ``token_versions``
+    holds each token's version and ``version`` is the oldest of them."""
 
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
@@ -64,6 +66,7 @@ class SampledGroup:
     completions: list[Any] | None = None
     prompt_ids: list[int] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    token_versions: list[list[int]] | None = None
 
 
 @dataclass

@@ -25,7 +25,10 @@ log-prob passes, ``passes.packed_rows``, from these padded tensors, and their ou
 - ``old_values``, ``returns``: (B, C) PPO's critic values and GAE returns (None elsewhere);
 - ``policy_version``: the version of the policy whose weights the engine served when it generated these samples
   (``PolicyVersionMixin``): one int for the batch, or a (B,) tensor, one per row, where rows come from several
-  versions (asynchronous generation); on the wire a (B,) int64 tensor, so it survives TRL's splits and shuffles.
+  versions (asynchronous generation); on the wire a (B,) int64 tensor, so it survives TRL's splits and shuffles;
+- ``token_policy_version``: (B, C) int64, each completion token's policy version where a weight update can land inside
+  a completion (asynchronous generation with full weights reloaded under requests kept in flight:
+  ``full_weight_reload="keep"``); a row's ``policy_version`` is then its oldest token's. None elsewhere.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ _TYPED_KEYS = (
     "ref_per_token_logps",
     "old_values",
     "returns",
+    "token_policy_version",
 )
 POLICY_VERSION_KEY = "policy_version"
 LAYOUTS = ("padded",)
@@ -69,6 +73,7 @@ class RolloutBatch:
     ref_per_token_logps: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    token_policy_version: torch.Tensor | None = None
     layout: str = "padded"
     extras: dict[str, Any] = field(default_factory=dict)
     _key_order: list[str] = field(default_factory=list, repr=False)

@@ -97,6 +97,8 @@ class RolloutPolicyVersions:
     """
 
     EXTRAS_KEY = "policy_version"  # in SampledGroup.extras, saved with the checkpoint's rollout window
+    # Each sampled token's policy version, where a reload can land inside a completion (SampledGroup.token_versions)
+    TOKENS_KEY = "token_policy_versions"
 
     def __init__(self) -> None:
         self._by_rollout: dict[int, int] = {}
@@ -113,7 +115,19 @@ class RolloutPolicyVersions:
                 f"a group was sampled by rollout {sampled.version}'s weights, which were never published."
             )
         sampled.extras[self.EXTRAS_KEY] = self._by_rollout[sampled.version]
+        if sampled.token_versions is not None:  # every version a token names was recorded before it was served
+            sampled.extras[self.TOKENS_KEY] = [
+                [self._by_rollout[version] for version in versions] for versions in sampled.token_versions
+            ]
 
     @classmethod
     def of(cls, sampled) -> int:
         return int(sampled.extras[cls.EXTRAS_KEY])
+
+    @classmethod
+    def of_tokens(cls, sampled) -> list[list[int]]:
+        """Each completion's tokens' policy versions (the group's for every token where none were reported)."""
+        per_token = sampled.extras.get(cls.TOKENS_KEY)
+        if per_token is not None:
+            return per_token
+        return [[cls.of(sampled)] * len(ids) for ids in sampled.completion_ids]

@@ -224,17 +224,34 @@ class AsyncGRPOTrainer(
         the current weights: the trainer's version, as in ``GRPOTrainer``."""
         if not self.model.training:
             return super()._finish_rollout(batch)
-        versions = [
-            RolloutPolicyVersions.of(group.sampled)
-            for group in self.vllm_generation.last_groups
-            for _ in range(self.num_generations)
-        ]
-        batch.policy_version = torch.tensor(versions, dtype=torch.long, device=batch.completion_ids.device)
+        groups = self.vllm_generation.last_groups
+        versions = [RolloutPolicyVersions.of(group.sampled) for group in groups for _ in range(self.num_generations)]
+        device = batch.completion_ids.device
+        batch.policy_version = torch.tensor(versions, dtype=torch.long, device=device)
         lag = (self.policy_version - self.accelerator.gather(batch.policy_version)).float()
         metrics = self._metrics["train"]
         metrics["async/policy_version_lag_mean"].append(lag.mean().item())
         metrics["async/policy_version_lag_max"].append(lag.max().item())
+        if self.args.full_weight_reload == "keep":
+            batch.token_policy_version = self._token_policy_versions(groups, batch)
+            # The share of sampled tokens a reload reached inside their completion (sampled by newer weights than
+            # the completion's first token).
+            newer = (batch.token_policy_version > batch.policy_version[:, None]) * batch.completion_mask
+            counts = self.accelerator.gather(torch.stack([newer.sum(), batch.completion_mask.sum()]).float()[None])
+            share = counts[:, 0].sum() / counts[:, 1].sum().clamp(min=1)
+            metrics["async/tokens_after_update_frac"].append(share.item())
         return super()._finish_rollout(batch)
+
+    @staticmethod
+    def _token_policy_versions(groups, batch: RolloutBatch) -> torch.Tensor:
+        """(B, C): each completion token's policy version, padding the row's own (the server's per-token versions
+        of ``full_weight_reload="keep"``: a reload that landed inside a completion splits it between two)."""
+        per_token = batch.policy_version[:, None].repeat(1, batch.completion_ids.size(1))
+        rows = [versions for group in groups for versions in RolloutPolicyVersions.of_tokens(group.sampled)]
+        for row, versions in enumerate(rows):
+            versions = versions[: per_token.size(1)]
+            per_token[row, : len(versions)] = torch.tensor(versions, dtype=torch.long)
+        return per_token
 
     # ---------------------------------------------------------------- lifetime
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):

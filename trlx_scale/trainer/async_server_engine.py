@@ -51,6 +51,7 @@ class AsyncServerEngineMixin:
             lora=sync_mode == "lora",
             process=process,
             prompt_ids=lambda prompt: prompt["prompt_ids"],
+            keep_requests_on_reload=args.full_weight_reload == "keep",
         )
         if self.accelerator.is_main_process:
             client.check_model(self._base_model_path())
