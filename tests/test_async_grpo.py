@@ -983,7 +983,8 @@ def test_tool_trajectories_run_in_the_producer_token_in_token_out(
     loop returns is token-in/token-out (the first turn as sampled, then each tool result rendered alone by TRL's own
     _get_tool_suffix_ids with mask 0, each later turn mask 1); at max_staleness=0 the server's log-probs of every
     sampled token are the trainer's; a hung tool is a tool error; the environment's get_reward is each trajectory's
-    reward (its number of calls)."""
+    reward (its number of calls). Under full_weight_reload='keep': the same through vLLM's token-in/token-out
+    endpoint."""
     from datasets import Dataset
 
     _Lookup.instances.clear()
@@ -999,12 +1000,16 @@ def test_tool_trajectories_run_in_the_producer_token_in_token_out(
             max_completion_length=60,
             max_tool_calling_iterations=3,
             tool_timeout=1.0,
+            # Every turn through the token-in/token-out endpoint, each token tagged with its version.
+            full_weight_reload="keep",
         ),
         train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i + 3}"}]} for i in range(8)]),
         processing_class=_tool_tokenizer(default_tokenizer, "lookup", "q"),
         environment_factory=_Lookup,
     )
     trainer.train()
+    # At max_staleness=0 no group is in flight at a reload: no token was sampled by newer weights than its turn's.
+    assert logged(trainer, "async/tokens_after_update_frac") == [0.0, 0.0]
     assert sum(logged(trainer, "tools/timeout")) == 1.0
     # No reset runs on the trainer's thread: the producer's pool is reset off it, and TRL's own instances (drawn by
     # its rollout, then unused) are not reset at all (trainer/environment_reset_mixin.py).

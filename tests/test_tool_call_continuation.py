@@ -89,3 +89,48 @@ def test_the_policy_is_checked_by_name(tmp_path):
 
     with pytest.raises(ValueError, match="prefix_mismatch must be one of \\('keep', 'discard', 'off'\\)"):
         small_grpo_config(tmp_path, prefix_mismatch="realign")
+
+
+class _ReloadInsideTurnTwo:
+    """Turn 1 sampled by version 0; a reload (version 1) lands after the first token of turn 2."""
+
+    async def sample(self, prompt_ids, max_tokens, seed, turn):
+        ids = [10, END] if turn < 2 else [11, END]
+        versions = [0, 0] if turn < 2 else [0, 1]
+        return SampledTurn(ids, [-0.5, -0.5], "stop", version=min(versions), token_versions=versions)
+
+
+def _versioned_run(first_versions):
+    state = TrajectoryState(
+        prompt=[{"role": "user", "content": "q"}],
+        prompt_ids=[7, 1],
+        completion_ids=[10, END],
+        completion=[_parse([10], [], None)],
+        logprobs=[-0.5, -0.5],
+        tool_mask=[1, 1],
+        turn_versions=[0],
+        token_versions=first_versions,
+    )
+    (done,) = asyncio.run(
+        continue_trajectories(
+            [state],
+            [ToolRunner({"f": lambda: "r"}, timeout=5)],
+            [0],
+            sampler=_ReloadInsideTurnTwo(),
+            suffix_ids=lambda messages: [5, 6],
+            parse=_parse,
+            limits=ContinuationLimits(max_completion_length=64, max_model_len=256, max_tool_calling_iterations=4),
+            stats=ToolStats(),
+        )
+    )
+    return done
+
+
+def test_every_token_of_a_trajectory_keeps_the_version_that_sampled_it():
+    """full_weight_reload='keep': a reload inside a later turn splits that turn's tokens between two versions; tool
+    results (never sampled) take the version of the turn before them; the ids and the versions stay aligned."""
+    done = _versioned_run([0, 0])
+    assert done.completion_ids == [10, END, 5, 6, 10, END, 5, 6, 11, END]
+    assert done.token_versions == [0, 0, 0, 0, 0, 0, 0, 0, 0, 1]
+    assert done.turn_versions == [0, 0, 0]
+    assert _versioned_run(None).token_versions is None  # a first turn without them: none for the trajectory

@@ -106,3 +106,18 @@ def test_a_discarded_trajectory_trains_nothing():
     assert tokens.trained_mask == [0, 0] and tokens.loss_mask == [1, 1]
     with pytest.raises(ValueError, match="2 tokens and 1 log-probs"):
         tokens.add_sampled([5, 6], [-1.0])
+
+
+def test_token_versions_follow_the_ids_while_every_turn_reports_them():
+    tokens = TrajectoryTokens(prompt_ids=[1])
+    tokens.add_sampled([4, 5], [-0.1, -0.2], versions=[0, 1])  # a reload landed after the first token
+    tokens.add_observation([7, 8])  # not sampled: the version before it
+    tokens.add_sampled([9], [-0.3], versions=[1])
+    assert tokens.versions == [0, 1, 1, 1, 1] and len(tokens.versions) == len(tokens.completion_ids)
+    tokens.add_sampled([3], [-0.4])  # a turn that reports none: the trajectory has none
+    assert tokens.versions is None
+    unversioned = TrajectoryTokens(prompt_ids=[1])
+    unversioned.add_sampled([4], [-0.1])
+    unversioned.add_observation([7])
+    unversioned.add_sampled([9], [-0.3], versions=[1])
+    assert unversioned.versions is None

@@ -43,6 +43,9 @@ class SampledTurn:
     logprobs: list[float]
     finish_reason: str  # "stop" (an end token) or "length" (max_tokens reached)
     version: int | None = None  # the policy version that sampled it, where the engine knows (the servers)
+    # Each token's version, where a weight update can land inside the turn (full weights reloaded with requests kept
+    # in flight: ``full_weight_reload="keep"``); ``version`` is then the oldest of them.
+    token_versions: list[int] | None = None
 
 
 class TurnSampler(Protocol):
@@ -101,7 +104,7 @@ async def run_trajectory(
             stop_reason = "budget"
             break
         turn = await sampler.sample(tokens.context_ids, max_tokens, seed, tokens.turns)
-        tokens.add_sampled(turn.ids, turn.logprobs)
+        tokens.add_sampled(turn.ids, turn.logprobs, turn.token_versions)
         if turn.version is not None:
             versions.append(turn.version)
         message = parse(turn.ids)

@@ -68,7 +68,13 @@ class ServerGymGroupSampler:
         metrics = trajectory_metrics(trajectories)
         crossed = [len(set(t.turn_versions)) > 1 for t in trajectories]
         metrics["async/trajectories_across_versions_frac"] = sum(crossed) / max(len(crossed), 1)
+        token_versions = [t.tokens.versions for t in trajectories]
+        aligned = all(
+            versions is not None and len(versions) == len(ids)
+            for versions, ids in zip(token_versions, output["completion_ids"], strict=True)
+        )
         return SampledGroup(
+            token_versions=token_versions if aligned else None,
             completion_ids=output["completion_ids"],
             logprobs=output["logprobs"],
             version=min(first_versions, default=request.version),

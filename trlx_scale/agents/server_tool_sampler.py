@@ -17,7 +17,9 @@ A weight update landing mid-trajectory. With adapters, every turn of a trajector
 sampled its first turn: each request names that version's adapter, kept loaded while a group in flight can use it,
 and an update pauses nothing. With full weights, a reload holds only the requests at the servers
 (``RequestGate``), not the trajectories waiting on their tools: a turn sent after the reload is sampled by the new
-weights, and each turn records the version that sampled it (``TrajectorySummary.turn_versions``). Its tokens' behaviour
+weights, and each turn records the version that sampled it (``TrajectorySummary.turn_versions``). Under
+``full_weight_reload="keep"`` nothing is held: a reload can land inside a turn, and every token carries the version
+that sampled it (``SampledGroup.token_versions``; a tool result's tokens, never sampled, the version before them). Its tokens' behaviour
 log-probs are that version's, so the importance correction of every token uses the weights that sampled it. The
 schedule admits a group by its first turn's version (``SampledGroup.version``); later turns are at most as stale.
 Chosen by measurement (docs/benchmarks.md, the async tools rows): holding the reload until every trajectory in flight
@@ -98,10 +100,12 @@ class ReplicaTurns:
         self.client, self.version, self.replica = client, version, replica
 
     async def sample(self, prompt_ids: list[int], max_tokens: int, seed: int, turn: int) -> SampledTurn:
-        ids, logprobs, finish, version = await self.client.sample_turn(
+        ids, logprobs, finish, version, token_versions = await self.client.sample_turn(
             prompt_ids, max_tokens, turn_seed(seed, turn), version=self.version, replica=self.replica
         )
-        return SampledTurn(ids=ids, logprobs=logprobs, finish_reason=finish, version=version)
+        return SampledTurn(
+            ids=ids, logprobs=logprobs, finish_reason=finish, version=version, token_versions=token_versions
+        )
 
 
 def trajectory_seed(group_seed: int, position: int) -> int:
@@ -149,7 +153,10 @@ class ServerToolGroupSampler:
         first = await self.client.sample(request)
         prompt_ids = list(first.prompt_ids)
         states = []
-        for ids, logprobs, own in zip(first.completion_ids, first.logprobs, tools, strict=True):
+        first_versions = first.token_versions or [None] * len(first.completion_ids)
+        for ids, logprobs, own, versions in zip(
+            first.completion_ids, first.logprobs, tools, first_versions, strict=True
+        ):
             message = self.parse(list(ids), prompt_ids, own.schema)
             states.append(
                 TrajectoryState(
@@ -162,6 +169,7 @@ class ServerToolGroupSampler:
                     tools=own.schema,
                     last_turn_cut=bool(ids) and ids[-1] not in self.eos_token_ids,
                     turn_versions=[first.version],
+                    token_versions=None if versions is None else list(versions),
                 )
             )
         stats = ToolStats()
@@ -178,10 +186,12 @@ class ServerToolGroupSampler:
             prefix_mismatch_at=self.prefix_mismatch_at,
             prefix_mismatch=self.prefix_mismatch,
         )
+        token_versions = [state.token_versions for state in states]
         return SampledGroup(
             completion_ids=[state.completion_ids for state in states],
             logprobs=[state.logprobs for state in states],
             version=first.version,
+            token_versions=None if any(versions is None for versions in token_versions) else token_versions,
             completions=[state.completion for state in states],
             prompt_ids=prompt_ids,
             extras={

@@ -62,6 +62,9 @@ class TrajectoryState:
     # The policy version of each sampled turn, the first included, where the sampler reports one (the servers:
     # with full weights a reload between two turns makes the later one newer).
     turn_versions: list[int] = dataclasses.field(default_factory=list)
+    # Each completion id's version, where every turn reports its tokens' (full weights reloaded with requests kept in
+    # flight); tool-result ids take the version of the turn before them. None otherwise.
+    token_versions: list[int] | None = None
 
 
 # Why a trajectory ended: "done" (its last turn called no tool), "length" (its last turn was cut at its token limit:
@@ -156,6 +159,13 @@ async def continue_trajectory(
             sampled_ids, sampled_logprobs = [], []
             state.last_turn_cut = True
         tool_length = len(held) - len(state.prompt_ids) - len(state.completion_ids)
+        if state.token_versions is not None:
+            sampled_versions = turn.token_versions if max_tokens > 0 else []
+            if sampled_versions is None:
+                state.token_versions = None  # a turn without them: the trajectory has none
+            else:
+                before = state.token_versions[-1] if state.token_versions else 0
+                state.token_versions += [before] * tool_length + list(sampled_versions)
         state.tool_mask += [0] * tool_length + [1] * len(sampled_ids)
         if state.logprobs is not None:
             state.logprobs += [0.0] * tool_length + sampled_logprobs

@@ -40,16 +40,27 @@ class TrajectoryTokens:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     turns: int = 0  # assistant turns sampled
     discarded: bool = False  # the prefix policy dropped it from the loss
+    # Each id's weight version, kept while every sampled turn reports its tokens' (full weights reloaded with
+    # requests kept in flight); observation ids take the version of the turn before them. None otherwise.
+    versions: list[int] | None = None
 
-    def add_sampled(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+    def add_sampled(
+        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int] | None = None
+    ) -> None:
         if len(ids) != len(logprobs):
             raise ValueError(f"a sampled turn has {len(ids)} tokens and {len(logprobs)} log-probs.")
+        if versions is None or (self.turns and self.versions is None):
+            self.versions = None  # a turn without them: the trajectory has none
+        else:
+            self.versions = (self.versions or []) + list(versions)
         self.completion_ids += list(ids)
         self.loss_mask += [1] * len(ids)
         self.logprobs += [float(value) for value in logprobs]
         self.turns += 1
 
     def add_observation(self, ids: Sequence[int]) -> None:
+        if self.versions is not None:
+            self.versions += [self.versions[-1] if self.versions else 0] * len(ids)
         self.completion_ids += list(ids)
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)

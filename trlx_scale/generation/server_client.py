@@ -270,11 +270,12 @@ class VLLMServerClient:
 
     async def sample_turn(
         self, prompt_ids: list[int], max_tokens: int, seed: int, *, version: int, replica: int
-    ) -> tuple[list[int], list[float], str, int]:
+    ) -> tuple[list[int], list[float], str, int, list[int] | None]:
         """One later turn of a multi-turn trajectory: ``prompt_ids`` are the trajectory's held ids (token-in), on
         replica ``replica`` (the one that sampled its first turn: its prefix is cached there). Returns the sampled
-        ids with their log-probs (token-out; the end token included: it is trained), ``"length"`` or ``"stop"``, and
-        the policy version that sampled them.
+        ids with their log-probs (token-out; the end token included: it is trained), ``"length"`` or ``"stop"``, the
+        policy version that sampled them, and each token's version where a reload can land inside the turn
+        (``keep_requests_on_reload``; else None).
 
         With adapters that is ``version`` (the trajectory's first turn's: its adapter stays loaded while a group in
         flight can use it). With full weights it is the version the servers hold when the turn is sent, ``version``
@@ -297,7 +298,7 @@ class VLLMServerClient:
                     f"a trajectory started on version {version} continued on version {served}: versions went "
                     "backwards."
                 )
-            return choice.token_ids, choice.logprobs, finish, served
+            return choice.token_ids, choice.logprobs, finish, served, choice.token_versions
         async with self.gate.request():
             if self.lora:
                 name, served = self.model_for(version), version
@@ -322,7 +323,7 @@ class VLLMServerClient:
             raise ServerModelMismatchError(f"asked {url} for {name!r}, the answer came from {answer.get('model')!r}.")
         choice = answer["choices"][0]
         finish = "length" if choice.get("finish_reason") == "length" else "stop"
-        return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"]), finish, served
+        return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"]), finish, served, None
 
     async def _post_completion(
         self, url: str, body: dict[str, Any], what: str, path: str = "/v1/completions"
