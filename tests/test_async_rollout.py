@@ -93,6 +93,33 @@ def test_reward_scorer_names_a_function_with_the_wrong_count():
     scorer.close()
 
 
+def test_score_now_runs_from_a_synchronous_trainer_concurrently_or_in_turn():
+    """score_now (the synchronous trainers'): concurrently, a coroutine and a blocking function overlap; with
+    sequential=True (reward_scoring="sequential") the blocking one runs on the caller's thread and the coroutine after
+    it, on the scorer's loop; the rewards are the same."""
+    threads = []
+
+    async def remote_verifier(prompts, completions, completion_ids, **kwargs):
+        await asyncio.sleep(0.3)
+        return [float(len(text)) for text in completions]
+
+    def sandbox(prompts, completions, completion_ids, **kwargs):
+        threads.append(threading.current_thread())
+        time.sleep(0.3)
+        return [1.0 for _ in completions]
+
+    results = {}
+    for sequential in (False, True):
+        scorer = ConcurrentRewardScorer([remote_verifier, sandbox], max_workers=2, sequential=sequential)
+        began = time.monotonic()
+        results[sequential] = scorer.score_now(["p"] * 2, ["ab", "c"], [[1], [2]], trainer_state=None)
+        results[(sequential, "seconds")] = time.monotonic() - began
+        scorer.close()
+    assert results[False] == results[True] == [[2.0, 1.0], [1.0, 1.0]]
+    assert results[(False, "seconds")] < 0.55 <= results[(True, "seconds")]
+    assert threads[0] is not threading.main_thread() and threads[1] is threading.main_thread()
+
+
 async def _length_reward(request: GroupRequest, sampled: SampledGroup) -> list[list[float]]:
     return [[float(sum(ids) % 7)] for ids in sampled.completion_ids]
 

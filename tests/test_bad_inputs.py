@@ -40,6 +40,7 @@ CONFIG_CASES = {
     "peak_tflops": (GRPOConfig, {"peak_tflops": 0}, "peak_tflops must be a positive number"),
     "skip_limit": (GRPOConfig, {"max_consecutive_skipped_steps": -1}, "max_consecutive_skipped_steps must be an"),
     "reward_errors": (GRPOConfig, {"reward_errors": "ignore"}, "reward_errors must be one of"),
+    "reward_scoring": (GRPOConfig, {"reward_scoring": "parallel"}, "reward_scoring must be one of"),
     "hub_retries": (GRPOConfig, {"hub_push_retries": -1}, "hub_push_retries must be an integer >= 0"),
     "ppo_beta": (PPOConfig, {"beta": 0.1}, "Set beta=0 and use kl_coef"),
     "kl_estimator": (PPOConfig, {"kl_estimator": "k2"}, "kl_estimator must be 'k1' or 'k3'"),

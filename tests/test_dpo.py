@@ -148,7 +148,31 @@ def test_best_worst_pairs_skip_ties_and_abstentions():
     assert stats["pair_fraction"] == pytest.approx(2 / 3) and stats["reward_gap"] == pytest.approx(1.5)
 
 
+class _AwaitedExactMatch:
+    """An async reward function with TRL's arguments (GRPO's scorer runs online DPO's rewards too)."""
+
+    __name__ = "awaited_exact_match"
+
+    def __init__(self):
+        self.states = []
+
+    async def __call__(self, completions, answer, trainer_state, log_metric, log_extra, **kwargs):
+        self.states.append(trainer_state)
+        log_metric("online_check/calls", 1.0)
+        log_extra("online_check_note", ["ok"] * len(completions))  # no completions table in DPO: dropped
+        return exact_match_reward(completions=completions, answer=answer)
+
+
+def _zero_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
 def test_online_round_builds_valid_pairs_from_the_policy_and_trains(default_model_dir, tmp_path):
+    """Also: the rewards come from GRPO's scorer with TRL's arguments, an async function awaited beside a
+    synchronous one (their sum ranks the samples)."""
+    from transformers import TrainerState
+
+    awaited = _AwaitedExactMatch()
     args = _args(
         DPOConfig,
         tmp_path,
@@ -164,7 +188,7 @@ def test_online_round_builds_valid_pairs_from_the_policy_and_trains(default_mode
         model=default_model_dir,
         args=args,
         train_dataset=addition_dataset("train", size=64),
-        reward_funcs=exact_match_reward,
+        reward_funcs=[awaited, _zero_reward],
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
     )
     # The trainer works on its own copy of the config: the caller's keeps remove_unused_columns as given.
@@ -181,7 +205,8 @@ def test_online_round_builds_valid_pairs_from_the_policy_and_trains(default_mode
     assert trainer._engine.sync_mode == "lora"
     trainer.train()
     logged = {key for entry in trainer.state.log_history for key in entry}
-    assert {"online/reward_mean", "online/pair_fraction", "sync/bytes"} <= logged
+    assert {"online/reward_mean", "online/pair_fraction", "sync/bytes", "online_check/calls"} <= logged
+    assert awaited.states and all(isinstance(state, TrainerState) for state in awaited.states)
     # The profiler's phases of an online round (trlx_scale.profiling): sampling, its sync, the rewards, the loss.
     assert {"time/generation", "time/weight_sync", "time/reward", "time/loss_forward_backward"} <= logged
     assert {"throughput/generated_tokens_per_s", "perf/mfu"} <= logged

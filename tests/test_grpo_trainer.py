@@ -1,6 +1,8 @@
 """trlx_scale.GRPOTrainer: drop-in for trl.GRPOTrainer, and the colocated vLLM engine it builds."""
 
+import asyncio
 import gc
+import threading
 
 import pytest
 import torch
@@ -28,23 +30,36 @@ def _engine_ids() -> set[int]:
 _logged = logged
 
 
+def _short_answer_reward(completions, **kwargs):
+    return [1.0 / (1 + len(completion)) for completion in completions]
+
+
+async def _awaited_exact_match(completions, answer, **kwargs):
+    await asyncio.sleep(0.01)
+    return exact_match_reward(completions=completions, answer=answer)
+
+
 def test_identical_to_trl_when_no_option_is_on(default_model_dir, tmp_path):
-    """Same seed, same data, HF generation: both trainers end with bit-identical weights and the same losses.
-    Padded rows, as TRL's: packed rows (padding_free, on by default) give the padded loss up to float rounding, not
-    bit for bit (tests/test_packing.py)."""
+    """Same seed, same data, HF generation: both trainers end with bit-identical weights and the same losses, the
+    rewards scored by trlx_scale's scorer (the functions concurrently, the async one awaited) as TRL's loop scores
+    them. Padded rows, as TRL's: packed rows (padding_free, on by default) give the padded loss up to float rounding,
+    not bit for bit (tests/test_packing.py)."""
     results = []
     for trainer_cls, config_cls in ((trl.GRPOTrainer, trl.GRPOConfig), (GRPOTrainer, GRPOConfig)):
         padding = {"padding_free": "false"} if config_cls is GRPOConfig else {}
         trainer = trainer_cls(
             model=default_model_dir,
-            reward_funcs=exact_match_reward,
+            reward_funcs=[exact_match_reward, _short_answer_reward, _awaited_exact_match],
             args=_small_args(config_cls, tmp_path / trainer_cls.__module__, **padding),
             train_dataset=addition_dataset("train", size=64),
         )
         trainer.train()
         results.append((_logged(trainer, "loss"), {k: v.clone() for k, v in trainer.model.state_dict().items()}))
-    (trl_losses, trl_weights), (our_losses, our_weights) = results
+        rewards = _logged(trainer, "reward")
+        results[-1] += (rewards,)
+    (trl_losses, trl_weights, trl_rewards), (our_losses, our_weights, our_rewards) = results
     assert trl_losses == our_losses and len(our_losses) == 2
+    assert trl_rewards == our_rewards
     assert trl_weights.keys() == our_weights.keys()
     assert all(torch.equal(trl_weights[k], our_weights[k]) for k in trl_weights)
     # And training did change the weights, so the equality above is not trivially true.
@@ -52,6 +67,46 @@ def test_identical_to_trl_when_no_option_is_on(default_model_dir, tmp_path):
 
     initial = AutoModelForCausalLM.from_pretrained(default_model_dir).state_dict()
     assert any(not torch.equal(initial[k], our_weights[k]) for k in initial)
+
+
+def test_reward_functions_run_concurrently_with_trls_arguments(default_model_dir, tmp_path):
+    """The synchronous trainer scores with the asynchronous producer's scorer: two synchronous reward functions meet
+    at a barrier (run one after the other, as TRL's loop runs them, they could not: the first would wait alone and
+    fail), each gets TRL's arguments (the dataset's columns, a TrainerState snapshot, log_metric, log_extra), and
+    what log_metric is given is logged."""
+    from transformers import TrainerState
+
+    meeting = threading.Barrier(2, timeout=30)
+    seen = []
+
+    def meets(name):
+        def reward(prompts, completions, completion_ids, answer, trainer_state, log_metric, log_extra, **kwargs):
+            meeting.wait()
+            seen.append((name, isinstance(trainer_state, TrainerState), len(answer) == len(completions)))
+            log_metric(f"{name}/calls", 1.0)
+            log_extra(f"{name}_note", ["ok"] * len(completions))
+            return exact_match_reward(completions=completions, answer=answer)
+
+        reward.__name__ = name
+        return reward
+
+    trainer = GRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=[meets("first"), meets("second")],
+        args=_small_args(GRPOConfig, tmp_path, max_steps=1),
+        train_dataset=addition_dataset("train", size=64),
+    )
+    trainer.train()
+    assert sorted(seen) == [("first", True, True), ("second", True, True)]
+    assert _logged(trainer, "first/calls") == [1.0] and _logged(trainer, "second/calls") == [1.0]
+    assert len(_logged(trainer, "rewards/first/mean")) == 1
+    in_turn = GRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=[meets("first"), meets("second")],
+        args=_small_args(GRPOConfig, tmp_path / "sequential", reward_scoring="sequential"),
+        train_dataset=addition_dataset("train", size=64),
+    )
+    assert in_turn._rollout_scorer is None  # TRL's own loop, one function after the other on the trainer's thread
 
 
 def test_script_written_for_trl_runs_with_trlx_scale_import(default_model_dir, tmp_path):

@@ -1,9 +1,15 @@
-"""Rewards computed off the training loop, concurrently for every group in flight.
+"""The reward scorer of every trainer: reward functions run concurrently, with TRL's signature.
 
-Synchronous GRPO scores a generation batch after the engine returns and before the loss, one reward function after
-the other: a remote verifier or a code sandbox that takes a second per call then costs a second per function per
-step, with the trainer and the engine both idle. The asynchronous producer scores each group as soon as it is
-sampled, on its own event loop:
+TRL scores a generation batch one reward function after the other: a remote verifier or a code sandbox that takes a
+second per call then costs a second per function per step, with the trainer and the engine both idle. Here:
+
+- the asynchronous producer scores each group as soon as it is sampled, on its own event loop (``score``);
+- the synchronous trainers (``GRPOTrainer``, ``PPOTrainer``, online ``DPOTrainer``) score a rollout from the
+  trainer's thread (``score_now``), on the scorer's own event loop. A single synchronous function runs on the
+  trainer's thread itself, as in TRL (nothing to overlap, and a function that needs the main thread, such as one that
+  sets ``signal.alarm``, keeps working).
+
+Either way:
 
 - reward functions written as coroutines (TRL accepts ``async def`` reward functions) are awaited together, for one
   group and across the groups in flight;
@@ -20,17 +26,31 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from trl.trainer.utils import get_callable_name, is_async_callable
 
+# The columns of a rollout's rows that TRL passes under other names (prompts, completions, completion_ids), not as
+# keyword columns.
+TRL_REWARD_INPUTS = ("prompt", "completion", "completion_ids")
+
+
+def rollout_reward_scorer(reward_funcs: Sequence[Any], mode: str = "concurrent") -> ConcurrentRewardScorer | None:
+    """The scorer of a synchronous trainer's rollouts (``reward_scoring``): one thread per function (a rollout is
+    scored at once, so more gain nothing); None where TRL's own loop scores them: ``mode="sequential"``, no function
+    to run, or a reward model among them (an ``nn.Module`` scored on the trainer's device)."""
+    if mode == "sequential" or not reward_funcs or any(hasattr(func, "parameters") for func in reward_funcs):
+        return None
+    return ConcurrentRewardScorer(reward_funcs, max_workers=len(reward_funcs))
+
 
 class ConcurrentRewardScorer:
     """Scores one group's completions with every reward function, concurrently (see the module docstring)."""
 
-    def __init__(self, reward_funcs: Sequence[Callable[..., Any]], max_workers: int = 8):
+    def __init__(self, reward_funcs: Sequence[Callable[..., Any]], max_workers: int = 8, sequential: bool = False):
         if not reward_funcs:
             raise ValueError("reward_funcs is empty: give at least one reward function.")
         for func in reward_funcs:
@@ -44,6 +64,10 @@ class ConcurrentRewardScorer:
         self.reward_funcs = list(reward_funcs)
         self.names = [get_callable_name(func) for func in self.reward_funcs]
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trlx-scale-reward")
+        # score_now only: every function in turn, the synchronous ones on the caller's thread (reward_scoring).
+        self.sequential = sequential
+        self._loop: asyncio.AbstractEventLoop | None = None  # score_now's, started at its first call
+        self._loop_thread: threading.Thread | None = None
 
     async def score(
         self, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **reward_kwargs: Any
@@ -63,6 +87,32 @@ class ConcurrentRewardScorer:
         ]
         return [list(row) for row in zip(*columns, strict=True)]
 
+    def score_now(
+        self, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **reward_kwargs: Any
+    ) -> list[list[float]]:
+        """``score`` from a thread with no running event loop (a synchronous trainer's), blocking until done."""
+        if self.sequential or (len(self.reward_funcs) == 1 and not is_async_callable(self.reward_funcs[0])):
+            kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids}
+            columns = []
+            for name, func in zip(self.names, self.reward_funcs, strict=True):
+                if is_async_callable(func):
+                    output = self._run_on_loop(func(**kwargs, **reward_kwargs))
+                else:
+                    output = func(**kwargs, **reward_kwargs)
+                columns.append(self._column(name, output, len(completions)))
+            return [list(row) for row in zip(*columns, strict=True)]
+        return self._run_on_loop(self.score(prompts, completions, completion_ids, **reward_kwargs))
+
+    def _run_on_loop(self, coroutine: Any) -> Any:
+        """Await ``coroutine`` on the scorer's own event loop (a daemon thread, started at the first call)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._loop_thread = threading.Thread(
+                target=self._loop.run_forever, name="trlx-scale-reward-loop", daemon=True
+            )
+            self._loop_thread.start()
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
     @staticmethod
     def _column(name: str, output: Any, expected: int) -> list[float]:
         values = [math.nan if value is None else float(value) for value in output]
@@ -75,3 +125,8 @@ class ConcurrentRewardScorer:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(timeout=5)
+            self._loop.close()
+            self._loop = self._loop_thread = None

@@ -20,7 +20,9 @@ Where each part lives (mixins placed before TRL's class in the bases):
 - ``TrainerFeatures`` (``trainer/features.py``): the cross-cutting features (profiler, non-finite guard, policy
   version, atomic checkpoints, Hub push, planned memory, fp32 masters).
 
-This file: the constructor, the rewards (TRL's, guarded) and the rollout's ``RolloutBatch``.
+This file: the constructor, the rewards (trlx_scale's scorer, the asynchronous producer's too: TRL's arguments, the
+functions concurrently, guarded; TRL's own loop where a reward model is among them) and the rollout's
+``RolloutBatch``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.utils import gather
 from transformers.utils import logging
 from trl import GRPOTrainer as TRLGRPOTrainer
 
@@ -41,6 +44,7 @@ from ..options import option
 from ..reliability.input_checks import GRPO_COLUMNS, check_dataset_columns, check_launch_matches, check_train_dataset
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from ..rollout.batch import RolloutBatch
+from ..rollout.reward_scoring import TRL_REWARD_INPUTS, rollout_reward_scorer
 from .colocated_engine_mixin import ColocatedEngineMixin
 from .concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
 from .environment_reset_mixin import EnvironmentResetMixin
@@ -152,6 +156,8 @@ class GRPOTrainer(
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
+        # TRL's reward functions, environments' get_reward included, as built by its constructor.
+        self._rollout_scorer = rollout_reward_scorer(self.reward_funcs, option(self.args, "reward_scoring"))
         # GSPO-token runs through TRL's "token" branch: its weights come from the loss pass's log-probs, shifted in
         # _postprocess_loss_logps (TRL reads this attribute only in _compute_loss; pinned by a contract test).
         self.uses_sequence_token_ratios = self.importance_sampling_level == "sequence_token"
@@ -174,12 +180,41 @@ class GRPOTrainer(
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self.phase_timer.phase("reward"):
-            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            if self._rollout_scorer is None:  # reward_scoring="sequential", or a reward model: TRL's loop, in order
+                rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            else:
+                rewards_per_func = self._score_rollout(inputs, prompts, completions, completion_ids_list)
             self._report_reward_errors()
         # TRL turns these into advantages inside _generate_and_score_completions and returns only those: they join
         # the RolloutBatch that call produces (the attribute lives for that call only).
         self._rollout_rewards = rewards_per_func
         return rewards_per_func
+
+    def _score_rollout(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
+        """The rollout's rewards by trlx_scale's scorer (``rollout.reward_scoring``, the asynchronous producer's):
+        TRL's arguments (the rows' other columns, ``trainer_state``, ``log_metric``, ``log_extra``, the
+        environments), the reward functions concurrently; NaN for None; gathered as TRL gathers them."""
+        columns = {key: [row[key] for row in inputs] for key in inputs[0] if key not in TRL_REWARD_INPUTS}
+        if self.environments is not None:
+            columns["environments"] = self.environments
+        rows = self._rollout_scorer.score_now(
+            prompts,
+            completions,
+            completion_ids_list,
+            # What TRL passes; a snapshot, as the asynchronous producer's (the state the rollout was scored at).
+            trainer_state=copy.copy(self.state),
+            log_metric=self._log_metric,
+            log_extra=self._log_completion_extra,
+            **columns,
+        )
+        rewards = torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device)
+        if torch.isnan(rewards).all(dim=1).any():  # TRL's warning
+            row = int(torch.isnan(rewards).all(dim=1).nonzero()[0, 0])
+            logger.warning(
+                f"All reward functions returned None for sample {row} (prompt {prompts[row]!r}, completion "
+                f"{completions[row]!r}). Please ensure that at least one reward function returns a valid reward."
+            )
+        return gather(rewards)
 
     def _report_reward_errors(self) -> None:
         """The guarded reward functions' failures as the same error on every rank (call it at the same point on

@@ -9,6 +9,7 @@ run logs and scores as the uninterrupted one.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -18,13 +19,17 @@ from trl.data_utils import is_conversational
 
 from ..dpo.online_pair_balance import balance_pairs, tie_pair_loss
 from ..dpo.preference_pairs import best_worst_pairs
+from ..options import option
 from ..reliability.reward_guard import raise_reward_errors
+from ..rollout.reward_scoring import ConcurrentRewardScorer
 
 logger = logging.get_logger(__name__)
 
 
 class OnlineDPOMixin:
     """Part of ``DPOTrainer`` (see the module docstring); placed before TRL's class in its bases."""
+
+    _online_scorer: ConcurrentRewardScorer | None = None  # built at the first online round
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         if not self._online:
@@ -113,9 +118,25 @@ class OnlineDPOMixin:
         }
         rewards = torch.zeros(len(repeated))
         with self.phase_timer.phase("reward"):
-            for func in self.reward_funcs:
-                values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-                rewards += torch.tensor([float("nan") if v is None else v for v in values])
+            if self._online_scorer is None:
+                self._online_scorer = ConcurrentRewardScorer(
+                    self.reward_funcs,
+                    max_workers=len(self.reward_funcs),
+                    sequential=option(self.args, "reward_scoring") == "sequential",
+                )
+            # GRPO's scorer, with TRL's reward-function arguments: DPO keeps no completions table, so what
+            # log_extra is given is dropped; log_metric's values are logged under their names.
+            rows = self._online_scorer.score_now(
+                prompts,
+                completions,
+                completion_ids,
+                trainer_state=copy.copy(self.state),
+                log_metric=lambda name, value: self._metrics["train"][name].append(value),
+                log_extra=lambda column, values: None,
+                **columns,
+            )
+            for column in zip(*rows, strict=True):  # the functions' sum, NaN where one gave None (each function)
+                rewards += torch.tensor(column)
             skipped = raise_reward_errors(self.reward_funcs, self.accelerator)
         if skipped or self.args.reward_errors == "skip":
             self._metrics["train"]["reliability/reward_errors"].append(float(skipped))
