@@ -7,7 +7,7 @@ d_t = log pi_prox(y_t) - log pi_behave(y_t). With an unchanged policy (``max_sta
 are the engine's numerics, and the weight should be 1. A sum over thousands of tokens of small, partly biased
 differences drifts anyway, until the weight leaves the clip bounds and the sequence is truncated or masked for no
 reason. The geometric mean, exp(mean_t d_t), is GSPO's own normalisation of its ratio
-(``losses/decoupled_objective.py``).
+(the decoupled objective's, docs/async.md).
 
 The measurement:
 1. The embedded model is served by the real vLLM CPU engine in bfloat16: a 16-bit engine against an fp32 trainer,

@@ -248,10 +248,10 @@ def test_a_refused_weight_transfer_stops_the_server_the_trainer_started(server, 
 def test_the_loss_that_trains_is_the_decoupled_objective(server, default_model_dir, tmp_path):
     """num_iterations=2 (allowed now: two optimizer steps per rollout), max_staleness=1, loss_type="grpo". On a
     micro-batch of step 4 (rollout 1's second step: sampled by version 0, pi_prox the weights after step 2, pi_theta
-    after step 3), the trainer's loss and gradients are those of losses/decoupled_objective.py's pure function on the
+    after step 3), the trainer's loss and gradients are those of the decoupled objective's pure function (tests/helpers/) on the
     batch's fields: pi_theta / pi_prox clipped, times pi_prox / pi_behave truncated at the clip bound. Both ratios
     are away from 1 there, so the trust region and the correction both act."""
-    from trlx_scale.losses.decoupled_objective import decoupled_policy_loss
+    from .helpers.decoupled_objective import decoupled_policy_loss
 
     trainer = _async(
         tmp_path,
@@ -312,10 +312,10 @@ def test_the_loss_that_trains_is_the_decoupled_objective(server, default_model_d
 
 def test_gspo_weighs_each_sequence_by_the_geometric_mean(server, default_model_dir, tmp_path):
     """Under GSPO the behaviour weight is per sequence; by default (sequence_behaviour_weight="geometric_mean") it is
-    exp of the mean token log-ratio, as losses/decoupled_objective.py's sequence weight, not TRL's product (which an
+    exp of the mean token log-ratio, as the decoupled objective's sequence weight, not TRL's product (which an
     unchanged policy's numerics alone push out of the clip bounds on long sequences: benchmarks/gspo_sequence_weight.py).
     From step 2 on, a step stale with learning_rate 5e-3, the two differ."""
-    from trlx_scale.losses.decoupled_objective import behaviour_weights
+    from .helpers.decoupled_objective import behaviour_weights
 
     trainer = _async(
         tmp_path,

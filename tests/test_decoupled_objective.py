@@ -1,4 +1,5 @@
-"""The decoupled off-policy objective (trlx_scale/losses/decoupled_objective.py), values derived by hand."""
+"""The decoupled off-policy objective's reference (tests/helpers/decoupled_objective.py, what the asynchronous
+trainer's loss is held to) and the package's behaviour KL, values derived by hand."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import math
 import pytest
 import torch
 
-from trlx_scale.losses.decoupled_objective import behaviour_kl, behaviour_weights, decoupled_policy_loss
 from trlx_scale.losses.policy_losses import clipped_policy_loss
+from trlx_scale.losses.vllm_importance_sampling import behaviour_kl
+
+from .helpers.decoupled_objective import behaviour_weights, decoupled_policy_loss
 
 
 def test_same_policies_give_the_plain_clipped_surrogate():

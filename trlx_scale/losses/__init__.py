@@ -10,6 +10,11 @@ What runs where (said plainly, because TRL computes the policy loss inline with 
   three ratio levels (tests/test_gspo.py), so a TRL change to that loss fails a test here.
 - ``clipped_value_loss`` (value_loss.py): PPO's value objective; PPOTrainer's ``_compute_loss`` adds it to TRL's
   policy loss.
+- ``vllm_importance_sampling.py``: the importance weights of the off-policy correction (pi_old / pi_sampling,
+  truncated or masked), the package's one place for them: the loss pass's deferred correction, the asynchronous
+  trainer's geometric mean per sequence and its ``async/*`` metrics. The decoupled objective they serve is stated
+  as pure functions in ``tests/helpers/decoupled_objective.py``, the reference the asynchronous trainer's loss is
+  held to.
 
 Advantage estimation (GAE, KL-penalized rewards, whitening) shapes the rewards rather than the objective and lives
 in ``trlx_scale.ppo``. A new objective goes here as a pure function with a hand-count test, and reaches a trainer

@@ -58,7 +58,7 @@ def clipped_policy_loss(
     ``aggregation``: "sequence_mean" averages each sequence over its tokens, then over sequences (every sequence
     weighs the same: GSPO's choice); "token_mean" averages over all real tokens of the batch (longer sequences weigh
     more). ``weights`` ((B, T) or (B, 1), no gradient) multiply each token's surrogate without changing the
-    normaliser: the off-policy correction of ``decoupled_objective``. Returns the loss and clip statistics (fractions
+    normaliser: the off-policy correction of the decoupled objective (docs/async.md). Returns the loss and clip statistics (fractions
     of real tokens clipped below / above).
     """
     if aggregation not in ("sequence_mean", "token_mean"):

@@ -93,3 +93,14 @@ def importance_sampling_statistics(
         "ratio_mean": reduce(ratios, torch.mean),
         "ratio_max": reduce(ratios, torch.max),
     }
+
+
+def behaviour_kl(prox_logps: torch.Tensor, behave_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(pi_behave || pi_prox) per real token, estimated on the behaviour policy's own samples with the k3
+    estimator (r - 1 - log r, r = pi_prox / pi_behave): unbiased, never negative. It measures how far the sampler
+    drifted from the trainer: staleness plus the engine's numerics. A token the engine could not score (NaN) or
+    padding counts 0 (selected, not multiplied by the mask: NaN * 0 is NaN)."""
+    mask = mask.to(prox_logps.dtype)
+    log_ratio = torch.where(mask.bool(), (prox_logps - behave_logps).detach(), torch.zeros_like(prox_logps))
+    per_token = torch.exp(log_ratio) - 1.0 - log_ratio
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..losses.decoupled_objective import behaviour_kl
 from ..losses.vllm_importance_sampling import (
+    behaviour_kl,
     is_sequence_level,
     unbounded_log_weights,
     vllm_importance_sampling_ratio,

@@ -120,7 +120,7 @@ class AsyncGRPOConfig(GRPOConfig):
         metadata={
             "help": "In a sequence mode of vllm_importance_sampling_mode (GSPO's), how a sequence's weight pi_prox / "
             "pi_behave combines its tokens: 'geometric_mean' (exp of their mean log-ratio, GSPO's own length "
-            "normalisation; losses/decoupled_objective.py) or 'product' (TRL's: exp of their sum). Chosen by "
+            "normalisation, the decoupled objective's: docs/async.md) or 'product' (TRL's: exp of their sum). Chosen by "
             "measurement: an unchanged policy on a bf16 engine against the fp32 trainer (per-token log-ratio std "
             "0.18) leaves the product outside [1/3, 3] for 53 percent of 256-token sequences and 99.9 percent of "
             "4096-token ones, the geometric mean for none (benchmarks/gspo_sequence_weight.py, docs/benchmarks.md).",

@@ -22,8 +22,8 @@ ZeRO-3). What changes is where completions come from; a rollout, in numbered ste
 4. The off-policy correction is TRL's vLLM importance-sampling correction with pi_prox, the trainer's log-probs at
    the start of the rollout's training, as the old policy: the loss clips pi_theta / pi_prox and weighs each token
    by pi_prox / pi_behave, truncated or masked by ``vllm_importance_sampling_mode`` and its clip bounds (AReaL's
-   decoupled objective; ``losses/decoupled_objective.py`` is its reference, and a test holds the trainer's loss and
-   gradients to it). With one optimizer step per rollout pi_theta = pi_prox and the clip never acts; with several
+   decoupled objective: a test holds the trainer's loss and gradients to the objective's pure functions,
+   ``tests/helpers/decoupled_objective.py``). With one optimizer step per rollout pi_theta = pi_prox and the clip never acts; with several
    (``num_iterations`` > 1, or ``steps_per_generation`` a multiple of ``gradient_accumulation_steps``) the later
    steps move pi_theta away from pi_prox and the trust region does. ``async/*`` metrics measure it.
 

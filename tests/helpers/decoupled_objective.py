@@ -1,4 +1,9 @@
-"""The decoupled off-policy objective (AReaL's decoupled PPO) as pure tensor functions.
+"""The decoupled off-policy objective (AReaL's decoupled PPO) as pure tensor functions: the reference the
+asynchronous trainer's loss is held to (``tests/test_async_grpo.py``), not a training path.
+
+What trains is TRL's loss with its vLLM importance-sampling correction, the weights from
+``trlx_scale/losses/vllm_importance_sampling.py`` (the package's one place for them); these functions state the
+objective from its definition, so the tests can say the trainer computes it.
 
 With asynchronous generation a sample is drawn by the behaviour policy pi_behave (the weights the server held, up to
 ``max_staleness`` versions old, run by the engine's kernels) and trained by pi_theta. The plain clipped surrogate
@@ -25,7 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from .policy_losses import clipped_policy_loss
+from trlx_scale.losses.policy_losses import clipped_policy_loss
+from trlx_scale.losses.vllm_importance_sampling import behaviour_kl
 
 WEIGHT_LEVELS = ("token", "sequence")
 WEIGHT_MODES = ("truncate", "mask")
@@ -60,16 +66,6 @@ def behaviour_weights(
     else:
         fraction = (over.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1.0)
     return bounded, fraction
-
-
-def behaviour_kl(prox_logps: torch.Tensor, behave_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """KL(pi_behave || pi_prox) per real token, estimated on the behaviour policy's own samples with the k3
-    estimator (r - 1 - log r, r = pi_prox / pi_behave): unbiased, never negative. It measures how far the sampler
-    drifted from the trainer: staleness plus the engine's numerics."""
-    mask = mask.to(prox_logps.dtype)
-    log_ratio = _masked_log_ratio(prox_logps, behave_logps, mask)
-    per_token = torch.exp(log_ratio) - 1.0 - log_ratio
-    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def _masked_log_ratio(prox_logps: torch.Tensor, behave_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
