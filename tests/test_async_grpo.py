@@ -639,7 +639,8 @@ def test_fsdp2_sharded_policies_reach_the_server_verified(server, tmp_path):
 
 def test_a_partial_full_weight_delivery_is_refused_by_name(server, default_model, default_model_dir, tmp_path):
     """Files that lack one tensor leave that parameter on its old weights at the server (vLLM only logs it): the
-    reload is refused with the parameter's name (compat/vllm_checked_reload.py), and the server keeps serving."""
+    reload is refused with the parameter's name (compat/vllm_checked_reload.py); files whose tensor has other values
+    than the trainer wrote are refused naming it; and the server keeps serving."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -660,7 +661,16 @@ def test_a_partial_full_weight_delivery_is_refused_by_name(server, default_model
             shutil.copy(os.path.join(whole, name), partial)
     with pytest.raises(PartialDeliveryError, match=r"kept 1 of its \d+ parameters .*layers\.0\.mlp\.down_proj"):
         client.reload_weights(1, str(partial))
-    client.reload_weights(0, whole)  # the base back, for the module's later trainers
+    # Every tensor there, one with other values than the trainer wrote (the file changed after it was written): the
+    # fingerprints the server's reload took of what it read name it (weight_fingerprints).
+    damaged = tmp_path / "damaged"
+    shutil.copytree(whole, damaged)
+    tensors = load_file(str(damaged / "model.safetensors"))
+    tensors["model.layers.1.self_attn.o_proj.weight"][0, :4] += 0.5
+    save_file(tensors, str(damaged / "model.safetensors"))
+    with pytest.raises(PartialDeliveryError, match=r"read 1 of the \d+ tensors .*layers\.1\.self_attn\.o_proj"):
+        client.reload_weights(1, str(damaged))
+    client.reload_weights(0, whole)  # the base back, for the module's later trainers (their values checked too)
     assert len(client.prompt_logprobs([1, 5, 6, 7], 0)[0]) == 3
 
 

@@ -29,6 +29,7 @@ or fails mid-run (``ServerFailedError``, with the exit code and the end of the l
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ from transformers.utils import logging
 from ..compat.vllm_checked_reload import CHECKED_RELOAD_METHOD
 from ..rollout.async_producer import GroupRequest, SampledGroup
 from ..rollout.request_gate import RequestGate
+from ..weight_fingerprints import FINGERPRINTS_FILE, mismatched
 from .token_generate_endpoint import GENERATE_PATH, SCALE_OUT_DISABLED, generate_body, read_choice
 from .vllm_server import VLLMServerProcess
 
@@ -467,6 +469,7 @@ class VLLMServerClient:
                             f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}. The files must hold "
                             "every weight the server's model has."
                         )
+                    self._check_fingerprints(url, path, worker.get("fingerprints"))
                 return
         self._request(
             "POST",
@@ -475,6 +478,24 @@ class VLLMServerClient:
             "the weight reload",
             json={"method": "reload_weights", "kwargs": {"weights_path": path}},
         )
+
+    @staticmethod
+    def _check_fingerprints(url: str, path: str, loaded: dict | None) -> None:
+        """The tensors a server's reload read against the fingerprints written beside them
+        (``weight_fingerprints``): one that arrived with other values (a damaged or replaced file) is named."""
+        written = os.path.join(path, FINGERPRINTS_FILE)
+        if loaded is None or not os.path.isfile(written):  # an older extension, or files written elsewhere
+            return
+        with open(written) as handle:
+            sent = json.load(handle)
+        problems = mismatched(sent, loaded)
+        if problems:
+            raise PartialDeliveryError(
+                f"the vLLM server at {url} read {len(problems)} of the {len(sent)} tensors of {path} with other "
+                f"values than the trainer wrote: {', '.join(problems[:5])}{', ...' if len(problems) > 5 else ''}. "
+                "The files were changed after they were written (or another version's files are at that path); "
+                "stopping rather than training on weights nobody sent."
+            )
 
     async def aclose(self) -> None:
         if self._async_client is not None:

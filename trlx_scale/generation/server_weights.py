@@ -20,6 +20,7 @@ rank that writes needs the whole merged tensor anyway.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -28,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..compat.vllm_weight_reload import tied_weight_aliases
+from ..weight_fingerprints import FINGERPRINTS_FILE, fingerprint
 from .weight_sync import ram_backed_directory, unsharded, write_adapter_config
 
 WEIGHTS_FILE = "model.safetensors"
@@ -66,11 +68,15 @@ def _with_aliases(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> d
 
 def save_full_weights(tensors: dict[str, torch.Tensor], directory: str, dtype: torch.dtype | None = None) -> str:
     """``tensors`` as ``directory/model.safetensors``, written atomically; floating-point ones in ``dtype`` when
-    given: the server's (fp32 master weights sent to a bf16 server would be files twice the size it loads)."""
+    given: the server's (fp32 master weights sent to a bf16 server would be files twice the size it loads). Beside
+    them each tensor's fingerprint as written (``weight_fingerprints``), which the server's reload is checked
+    against."""
     if dtype is not None:
         tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
     staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(os.path.abspath(directory)))
     save_file(tensors, os.path.join(staging, WEIGHTS_FILE))
+    with open(os.path.join(staging, FINGERPRINTS_FILE), "w") as handle:
+        json.dump({name: fingerprint(tensor) for name, tensor in tensors.items()}, handle)
     return _publish(staging, directory)
 
 
