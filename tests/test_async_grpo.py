@@ -675,10 +675,12 @@ def test_a_partial_full_weight_delivery_is_refused_by_name(server, default_model
 
 
 def test_a_kept_reload_does_not_wait_for_the_requests_in_flight(server, default_model, default_model_dir, tmp_path):
-    """full_weight_reload='keep': a reload lands while a long group is being sampled; it returns before the group does
-    (no drain), and the group's tokens name the versions that sampled them: the first ones the old weights', the rest
-    the new ones' (vLLM's per-token weight versions), the group's version its oldest token's. Drain mode's
-    /v1/completions requests still work on the same server."""
+    """full_weight_reload='keep': a reload lands while a long group is being sampled and does not wait for it: the
+    group's tokens name the versions that sampled them, the first ones the old weights', the later ones the new
+    ones' (vLLM's per-token weight versions; under 'drain' every token would be the old version's), and the group's
+    version is its oldest token's. Drain mode's /v1/completions requests still work on the same server. (Whether the
+    group's answer arrived before the reload returned is no test of it: under 'drain' the answer is still being
+    serialised when the reload ends.)"""
     import asyncio
 
     from trlx_scale.rollout.async_producer import GroupRequest
@@ -698,16 +700,14 @@ def test_a_kept_reload_does_not_wait_for_the_requests_in_flight(server, default_
             group = asyncio.create_task(client.sample(request))
             await asyncio.sleep(0.05)  # the group's first tokens come from version 0 (its prefill alone took longer)
             await asyncio.to_thread(client.reload_weights, 1, new)
-            reloaded_before_the_group_ended = not group.done()
-            return await group, reloaded_before_the_group_ended
+            return await group
         finally:
             await client.aclose()
 
     try:
-        sampled, reloaded_first = asyncio.run(sample_across_a_reload())
+        sampled = asyncio.run(sample_across_a_reload())
     finally:
         client.reload_weights(0, old)  # the base back, for the module's later trainers
-    assert reloaded_first
     assert len(sampled.token_versions) == 128
     for ids, versions, logprobs in zip(sampled.completion_ids, sampled.token_versions, sampled.logprobs, strict=True):
         assert len(versions) == len(ids) == len(logprobs)
