@@ -966,14 +966,15 @@ class _Lookup:
 
 
 class _RecordingAsyncTrainer(AsyncGRPOTrainer):
-    """Keeps what TRL's tool loop and reward call returned (the trainer's own code runs unchanged)."""
+    """Keeps what TRL's tool loop and the collector's reward stage returned (the trainer's own code runs
+    unchanged)."""
 
     def _tool_call_loop(self, *args):
         self.loops = getattr(self, "loops", []) + [super()._tool_call_loop(*args)]
         return self.loops[-1]
 
-    def _calculate_rewards(self, *args):
-        self.rewards = getattr(self, "rewards", []) + [super()._calculate_rewards(*args)]
+    def _rollout_rewards(self, *args):
+        self.rewards = getattr(self, "rewards", []) + [super()._rollout_rewards(*args)]
         return self.rewards[-1]
 
 
@@ -1097,8 +1098,8 @@ class _RecordingGymTrainer(AsyncGRPOTrainer):
         self.generations = getattr(self, "generations", []) + [super()._generate(prompts)]
         return self.generations[-1]
 
-    def _calculate_rewards(self, inputs, *args):
-        self.scored = getattr(self, "scored", []) + [(list(inputs), super()._calculate_rewards(inputs, *args))]
+    def _rollout_rewards(self, rows, *args):
+        self.scored = getattr(self, "scored", []) + [(list(rows), super()._rollout_rewards(rows, *args))]
         return self.scored[-1][1]
 
 

@@ -1,5 +1,6 @@
-"""TRL environments reset off the trainer's thread (compat/trl_environment_resets.py): the instances TRL's rollout
-will draw, reset at once under tool_timeout, their observations handed to TRL's own call; failures named."""
+"""A rollout's prompts with TRL's environments (trainer/environment_reset_mixin.py, compat/trl_rollout_environments.py):
+the instances TRL's pool hands out, reset at once under tool_timeout (or one after another under lockstep), their
+observations appended to the prompts as TRL appends them, the tool dicts TRL's driver reads; failures named."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from trlx_scale.compat.trl_environment_resets import (
+from trlx_scale.compat.trl_rollout_environments import (
     EnvironmentResetTimeout,
     draw_like_trl,
-    installed,
-    prepare_resets,
+    run_resets,
+    with_observation,
 )
 from trlx_scale.trainer.environment_reset_mixin import EnvironmentResetMixin
 
@@ -38,14 +39,31 @@ class _Env:
             )  # hung until the test lets it go (an abandoned thread would hold the interpreter's exit)
         return f"observation {row['task']}"
 
+    def lookup(self, key: str) -> str:
+        """A tool: the environment's public method."""
+        return key
 
-class _TrainerLike:
-    """The attributes of TRL 1.16's GRPOTrainer that its draw reads (pinned by tests/test_trl_contract.py)."""
+    async def fetch(self, key: str) -> str:
+        return key
 
-    def __init__(self, factories: dict, multi: bool = False):
+
+class _TrainerLike(EnvironmentResetMixin):
+    """The attributes of TRL 1.16's GRPOTrainer that its environment draw and tool dicts read (pinned by
+    tests/test_trl_contract.py), under the mixin."""
+
+    def __init__(self, factories: dict | None, multi: bool = False, scheduling: str = "concurrent", tools=()):
         self.environment_factories = factories
         self._multi_environment = multi
-        self._environment_pool = {name: [] for name in factories}
+        self._environment_pool = {name: [] for name in factories or {}}
+        self._standalone_tools = list(tools)
+        self.tools = list(tools) + (["environment methods"] if factories else [])
+        self.environments = None
+        self.args = SimpleNamespace(tool_scheduling=scheduling, tool_timeout=10.0)
+        self.accelerator = None  # one process
+
+
+def _rows(count: int) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": f"task {i}: "}], "task": i} for i in range(count)]
 
 
 def test_the_draw_hands_out_what_trls_pool_would_and_grows_it_once():
@@ -61,56 +79,86 @@ def test_the_draw_hands_out_what_trls_pool_would_and_grows_it_once():
     assert [len(pool) for pool in trainer._environment_pool.values()] == [2, 2]
 
 
-def test_multi_environment_resets_leave_the_routing_column_out_and_trls_call_matches_them():
-    trainer = _TrainerLike({"a": _Env, "b": _Env}, multi=True)
-    rows = [{"environment": name, "task": i} for i, name in enumerate("aba")]
-    prepared = prepare_resets(trainer, rows, timeout=10)
-    assert [env.resets for env in prepared.environments] == [[{"task": 0}], [{"task": 1}], [{"task": 2}]]
-    with installed(prepared):
-        for env, row in zip(prepared.environments, rows, strict=True):
-            # TRL's multi-environment call: a new dict without the routing column, the same values.
-            assert env.reset(**{k: v for k, v in row.items() if k != "environment"}) == f"observation {row['task']}"
-    assert all(len(env.resets) == 1 for env in prepared.environments)
-
-
-def test_the_shadows_are_removed_when_the_rollout_raises():
+def test_prompts_get_their_observations_and_the_rows_are_left_as_they_were():
     trainer = _TrainerLike({None: _Env})
-    prepared = prepare_resets(trainer, [{"task": 0}, {"task": 1}], timeout=10)
-    with pytest.raises(RuntimeError, match="the engine died"), installed(prepared):
-        assert all("reset" in vars(env) for env in prepared.environments)
-        raise RuntimeError("the engine died")
-    assert all("reset" not in vars(env) for env in prepared.environments)
+    rows = _rows(3)
+    prompts = trainer._rollout_prompts(rows)
+    assert [p[-1]["content"] for p in prompts] == [f"task {i}: observation {i}" for i in range(3)]
+    assert [r["prompt"][-1]["content"] for r in rows] == [f"task {i}: " for i in range(3)]
+    assert trainer.environments == trainer._environment_pool[None] and trainer._batch_environments == [None] * 3
+    # A reset gets the dataset row's columns (TRL's call: reset(**row)).
+    assert [env.resets[0] for env in trainer.environments] == rows
 
 
-def test_resets_run_at_once_and_trls_call_reads_their_observations():
-    barrier = threading.Barrier(4, timeout=5)  # one reset after another would never pass it
-    trainer = _TrainerLike({None: lambda: _Env(wait=barrier)})
-    rows = [{"task": i} for i in range(4)]
-    prepared = prepare_resets(trainer, rows, timeout=10)
-    environments = trainer._environment_pool[None]
-    assert [len(env.resets) for env in environments] == [1, 1, 1, 1]
-    with installed(prepared):
-        # TRL's loop: environment.reset(**row), with the row itself.
-        assert [env.reset(**row) for env, row in zip(environments, rows, strict=True)] == [
-            f"observation {i}" for i in range(4)
-        ]
-        assert [len(env.resets) for env in environments] == [1, 1, 1, 1]  # not reset twice
-    assert all("reset" not in vars(env) for env in environments)  # the class's own method again
-    barrier.reset()
-    with installed(prepare_resets(trainer, rows, timeout=10)):
-        other = {"task": 9}
-        environments[0].wait = None
-        assert environments[0].reset(**other) == "observation 9"  # not the prepared row: the environment's reset
-    assert [len(env.resets) for env in environments] == [3, 2, 2, 2]
+def test_tool_dicts_hold_the_standalone_tools_and_each_environments_methods():
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    trainer = _TrainerLike({None: _Env}, tools=[add])
+    trainer._rollout_prompts(_rows(2))
+    assert [sorted(d) for d in trainer._sync_tool_dicts] == [["add", "lookup"], ["add", "lookup"]]
+    assert [sorted(d) for d in trainer._async_tool_dicts] == [["fetch"], ["fetch"]]
+    # Bound to the rollout's own instance.
+    assert [d["lookup"].__self__ for d in trainer._sync_tool_dicts] == trainer.environments
+    alone = _TrainerLike(None, tools=[add])  # tools without environments: the standalone ones
+    assert [p[-1]["content"] for p in alone._rollout_prompts(_rows(2))] == ["task 0: ", "task 1: "]
+    assert alone._sync_tool_dicts == [{"add": add}, {"add": add}] and alone._async_tool_dicts == [{}, {}]
+
+
+def test_multi_environment_resets_leave_the_routing_column_out():
+    trainer = _TrainerLike({"a": _Env, "b": _Env}, multi=True)
+    rows = [{**row, "environment": name} for row, name in zip(_rows(3), "aba", strict=True)]
+    trainer._rollout_prompts(rows)
+    assert [sorted(env.resets[0]) for env in trainer.environments] == [["prompt", "task"]] * 3
+    assert trainer._batch_environments == ["a", "b", "a"]
+
+
+def test_observations_join_text_and_content_blocks_as_trls_do():
+    text = [{"role": "user", "content": "hi "}]
+    assert with_observation(text, "there") == [{"role": "user", "content": "hi there"}]
+    assert with_observation(text, [{"type": "text", "text": "x"}]) == [
+        {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "x"}]}
+    ]
+    blocks = [{"role": "user", "content": [{"type": "text", "text": "a"}]}]
+    assert with_observation(blocks, "b")[-1]["content"] == [
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": "b"},
+    ]
+    assert with_observation(text, None) is text
+
+
+@pytest.mark.parametrize("scheduling", ["concurrent", "lockstep"])
+def test_resets_run_at_once_under_concurrent_scheduling_and_one_after_another_under_lockstep(scheduling):
+    threads = []
+
+    class Recording(_Env):
+        def reset(self, **row):
+            threads.append(threading.current_thread().name)
+            return super().reset(**row)
+
+    barrier = threading.Barrier(3, timeout=5) if scheduling == "concurrent" else None  # serial resets never pass it
+    trainer = _TrainerLike({None: lambda: Recording(wait=barrier)}, scheduling=scheduling)
+    prompts = trainer._rollout_prompts(_rows(3))
+    assert [p[-1]["content"] for p in prompts] == [f"task {i}: observation {i}" for i in range(3)]
+    assert len(threads) == 3
+    assert ("MainThread" not in threads) == (scheduling == "concurrent")
 
 
 def test_asynchronous_runs_draw_without_resetting():
-    trainer = _TrainerLike({None: _Env})
-    prepared = prepare_resets(trainer, [{"task": 0}, {"task": 1}], timeout=10, run=False)
-    environments = trainer._environment_pool[None]
-    with installed(prepared):
-        assert [env.reset(task=k) for k, env in enumerate(environments)] == [None, None]
-    assert [env.resets for env in environments] == [[], []]
+    class Drawing(_TrainerLike):
+        def _resets_trl_environments(self) -> bool:
+            return False
+
+    trainer = Drawing({None: _Env})
+    prompts = trainer._rollout_prompts(_rows(2))
+    assert [p[-1]["content"] for p in prompts] == ["task 0: ", "task 1: "]
+    assert len(trainer.environments) == 2 and [env.resets for env in trainer.environments] == [[], []]
+
+
+def test_a_failed_reset_is_raised_from_the_rollout():
+    trainer = _TrainerLike({None: lambda: _Env(fail=True)}, scheduling="lockstep")
+    with pytest.raises(ValueError, match="no task 0"):
+        trainer._rollout_prompts(_rows(2))
 
 
 def test_a_hung_reset_is_named_within_its_timeout():
@@ -121,7 +169,7 @@ def test_a_hung_reset_is_named_within_its_timeout():
         with pytest.raises(
             EnvironmentResetTimeout, match=r"2 of 2 _Env.reset calls did not return within tool_timeout"
         ):
-            prepare_resets(trainer, [{"task": 0}, {"task": 1}], timeout=0.5)
+            run_resets(draw_like_trl(trainer, [{}, {}]), [{"task": 0}, {"task": 1}], timeout=0.5)
         assert time.monotonic() - started < 5
     finally:
         released.set()
@@ -131,52 +179,5 @@ def test_a_reset_that_raises_raises_its_own_error_at_once():
     trainer = _TrainerLike({None: lambda: _Env(fail=True)})
     started = time.monotonic()
     with pytest.raises(ValueError, match="no task 0"):
-        prepare_resets(trainer, [{"task": 0}, {"task": 1}], timeout=30)
+        run_resets(draw_like_trl(trainer, [{}, {}]), [{"task": 0}, {"task": 1}], timeout=30)
     assert time.monotonic() - started < 5
-
-
-def test_environments_without_an_instance_dict_keep_trls_serial_resets():
-    class Slotted:
-        __slots__ = ()
-
-        def reset(self, **row):
-            raise AssertionError("not reset here")
-
-    assert prepare_resets(_TrainerLike({None: Slotted}), [{"task": 0}], timeout=1) is None
-
-
-class _TRLLikeRollout:
-    """TRL 1.16's draw and serial reset loop, as its ``_generate_and_score_completions`` runs them (the lines the
-    contract test pins), under the mixin."""
-
-    def __init__(self, factories: dict, scheduling: str):
-        self.environment_factories, self._multi_environment = factories, False
-        self._environment_pool = {name: [] for name in factories}
-        self.args = SimpleNamespace(tool_scheduling=scheduling, tool_timeout=10.0)
-        self.accelerator = None  # one process
-        self.model = SimpleNamespace(training=True)
-
-    def _generate_and_score_completions(self, inputs):
-        self.environments = draw_like_trl(self, inputs)
-        return [environment.reset(**x) for environment, x in zip(self.environments, inputs, strict=True)]
-
-
-class _Trainer(EnvironmentResetMixin, _TRLLikeRollout):
-    pass
-
-
-@pytest.mark.parametrize("scheduling", ["concurrent", "lockstep"])
-def test_the_mixin_resets_at_once_under_concurrent_scheduling_and_leaves_lockstep_to_trl(scheduling):
-    threads = []
-
-    class Recording(_Env):
-        def reset(self, **row):
-            threads.append(threading.current_thread().name)
-            return super().reset(**row)
-
-    barrier = threading.Barrier(3, timeout=5) if scheduling == "concurrent" else None
-    trainer = _Trainer({None: lambda: Recording(wait=barrier)}, scheduling)
-    rows = [{"task": i} for i in range(3)]
-    assert trainer._generate_and_score_completions(rows) == [f"observation {i}" for i in range(3)]
-    assert len(threads) == 3
-    assert ("MainThread" not in threads) == (scheduling == "concurrent")

@@ -29,13 +29,13 @@ TRL_OVERRIDES = {
     LossPassCorrectionMixin: {"_compute_loss"},
     ColocatedEngineMixin: {"_generate_single_turn"},
     ConcurrentToolLoopMixin: {"_tool_call_loop"},
-    EnvironmentResetMixin: {"_generate_and_score_completions"},
+    EnvironmentResetMixin: set(),
     DPOTrainer: {"_compute_loss"},
     DPOEngineMixin: {"_precompute_ref_logps"},
     OnlineDPOMixin: {"_prepare_dataset"},
     PPOTrainer: {"_compute_loss", "_load_from_checkpoint", "create_optimizer"},
     ColocatedVLLMGeneration: {"_init_vllm", "generate", "sync_weights"},
-    AsyncGRPOTrainer: {"_calculate_rewards", "_generate_and_score_completions", "evaluate", "train"},
+    AsyncGRPOTrainer: {"_generate_and_score_completions", "evaluate", "train"},
     AsyncToolLoopMixin: {"_generate_single_turn", "_tool_call_loop"},
 }
 
@@ -334,39 +334,46 @@ def test_trl_generate_drives_the_llm_the_way_grouped_llm_expects():
     assert "extract_logprobs(all_outputs)" in source and "output.prompt_token_ids" in source
 
 
-def test_old_logprob_pass_skip_still_matches_trl():
-    """compat/old_logprob_pass.py turns the trainer's vllm_importance_sampling_correction off for one rollout so that
-    TRL skips its old-policy pass, and the loss pass computes the correction (losses/vllm_importance_sampling.py,
-    TRL's formulas). This pins what that relies on: the attribute decides the pass, the ratio, the metrics and the
-    output key; vLLM's log-probs still reach the batch; the loss reads the ratio after its log-prob pass."""
-    from trlx_scale.compat import old_logprob_pass
+def test_the_rollout_collector_still_mirrors_trls_rollout():
+    """rollout/collector.py and rollout/group_advantages.py build the batch TRL 1.16's _generate_and_score_completions
+    builds (tests/test_rollout_collector.py compares the two on the same samples). This pins the lines they mirror, so
+    that a TRL that changes its rollout is noticed here even where the comparison's two configurations do not reach:
+    when the old-policy pass runs, vLLM's correction (losses/vllm_importance_sampling.py), the advantages, the loss's
+    token count, a rollout function's fields, the keys of the batch; and that the loss reads the correction after its
+    log-prob pass (where the deferred correction puts it)."""
+    from trlx_scale.rollout.collector import TRL_KEY_ORDER
 
-    assert old_logprob_pass.supported(), f"compat/old_logprob_pass.py was checked on TRL 1.16, not {trl.__version__}"
     source = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
     flat = re.sub(r"\s+", " ", source)
-    assert (
+    for line in (
+        "generate_every = self.args.steps_per_generation * self.num_iterations",
         "if self.args.gradient_accumulation_steps % generate_every != 0 or ( self.use_vllm and "
-        "self.vllm_importance_sampling_correction ):" in flat
-    )
-    assert flat.count("self.vllm_importance_sampling_correction") == 4  # pass, ratio, metrics, output key
-    assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in source
-    for line in (  # the formulas losses/vllm_importance_sampling.py mirrors
+        "self.vllm_importance_sampling_correction ):",
         "per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask",
         "per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)",
         "per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)",
         "vllm_importance_sampling_ratio = torch.exp(logps_diff)",
-        'sequence_level_is = self.vllm_importance_sampling_mode in ["sequence_mask", "sequence_truncate"]',
         "delta = torch.abs(old_per_token_logps - sampling_per_token_logps)",
+        "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()",
+        "is_truncated = torch.tensor([ids[-1] not in eos_and_pad for ids in completion_ids_list], device=device)",
+        "rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)",
+        "advantages = advantages / (std_rewards + 1e-4)",
+        "reward_k = (grouped - mean_k) / (std_k + 1e-4)",
+        "advantages = (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)",
+        "advantages = torch.nan_to_num(advantages, nan=0.0)",
+        "rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)",
+        "inp[key] = values[i]",
+        "for column in sorted(set(gather_object(list(self._pending_extra_logs)))):",
+        "for name in sorted(set(gather_object(list(self._pending_metrics)))):",
     ):
-        assert line in source, line
+        assert line in flat, line
+    outputs = re.findall(r'output\["(\w+)"\] = ', source) + re.findall(r'^\s+"(\w+)": \w+,$', source, re.M)
+    text_keys = [key for key in dict.fromkeys(outputs) if key in TRL_KEY_ORDER]
+    assert sorted(text_keys) == sorted(TRL_KEY_ORDER), text_keys
     loss = inspect.getsource(trl.GRPOTrainer._compute_loss)
     logps_at = loss.index("self._get_per_token_logps_and_entropies(")
     ratio_at = loss.index('per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]')
     assert logps_at < ratio_at
-    assert (
-        'if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":'
-        in (loss[logps_at:ratio_at])
-    )
 
 
 def test_trl_still_forces_reentrant_checkpointing_for_peft_under_zero3():
@@ -421,22 +428,31 @@ def test_the_concurrent_tool_loop_keeps_trls_tool_call_loop_contract():
     assert "self._tool_call_loop(" in inspect.getsource(trl.GRPOTrainer._generate)
 
 
-def test_trl_still_draws_and_resets_environments_as_the_prepared_resets_expect():
-    """compat/trl_environment_resets.py reproduces TRL's pool draw and answers its reset loop: both must still read
-    as below."""
-    from trlx_scale.compat import trl_environment_resets
+def test_trl_still_keeps_its_environments_and_tools_as_the_collector_prepares_them():
+    """compat/trl_rollout_environments.py writes the per-batch state TRL's rollout writes before generating (its pool
+    draw, the tool dicts, the observations), and TRL's generation driver must still read it from there."""
+    from trlx_scale.compat import trl_rollout_environments
 
-    assert trl_environment_resets.supported(), f"checked on TRL 1.16, not {trl.__version__}"
+    assert trl_rollout_environments.supported(), f"checked on TRL 1.16, not {trl.__version__}"
     source = re.sub(r"\s+", " ", inspect.getsource(trl.GRPOTrainer._generate_and_score_completions))
     for line in (
+        'prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]',
         'self._batch_environments = [x.get("environment") if self._multi_environment else None for x in inputs]',
         "pool = self._environment_pool[name]",
-        "index = pool_cursor.get(name, 0)",
         "if index == len(pool): pool.append(self.environment_factories[name]())",
-        "pool_cursor[name] = index + 1",
         "self.environments.append(pool[index])",
+        'if member_name not in ("reset", "get_reward") and not member_name.startswith("_")',
+        "for tool in self._standalone_tools + methods:",
+        "if inspect.iscoroutinefunction(tool): async_tool_dict[tool.__name__] = tool",
         'reset_kwargs = {k: v for k, v in x.items() if k != "environment"} if self._multi_environment else x',
         "observation = environment.reset(**reset_kwargs)",
+        'if isinstance(observation, list) and isinstance(content, str): content = [{"type": "text", "text": content}]',
+        'if isinstance(observation, str) and isinstance(content, list): observation = [{"type": "text", "text": '
+        "observation}]",
+        'prompts[i] = prompt[:-1] + [{**prompt[-1], "content": content + observation}]',
     ):
         assert line in source, line
-    assert source.index("self.environments.append(pool[index])") < source.index("environment.reset(**reset_kwargs)")
+    driver = inspect.getsource(trl.GRPOTrainer._generate) + inspect.getsource(trl.GRPOTrainer._tokenize_prompts)
+    assert "self._batch_environments" in driver and "self._env_tools" in driver
+    assert "self._sync_tool_dicts[idx_with_tool]" in inspect.getsource(trl.GRPOTrainer._tool_call_loop)
+    assert "self.environments" in inspect.getsource(trl.GRPOTrainer._calculate_rewards)

@@ -6,10 +6,10 @@ The rollout path of every trlx_scale RL trainer is
 
 TRL builds its rollout as a dict inside ``_generate_and_score_completions`` and splits, shuffles and slices that dict
 into micro-batches (``split_tensor_dict``, ``shuffle_sequence_dict``), so the trainers keep TRL's dict on the wire and
-convert at the two ends: ``RolloutBatch.from_trl`` when the rollout is complete (where each algorithm adds its own
-quantities: ``GRPOTrainer._finish_rollout``, PPO's values and GAE), ``to_trl`` to hand it back, every key in TRL's
-order (TRL sizes its chunks by the first tensor). Values that used to travel between TRL's hooks in trainer
-attributes (the rewards per function, the policy version) travel here.
+the batch converts at the end: ``rollout.collector.RolloutCollector`` builds it (each algorithm then adds its own
+quantities: ``GRPOTrainer._finish_rollout``, PPO's values and GAE), ``to_trl`` hands it to TRL's loss, every key in
+TRL's order (TRL sizes its chunks by the first tensor). ``from_trl`` types a rollout TRL built itself (image inputs).
+The rewards per function, the policy versions and the rows travel here, not in trainer attributes.
 
 Shapes (B: this process's rows, B_all: every process's rows, P: prompt tokens, C: completion tokens, F: reward
 functions), for ``layout == "padded"`` (the only layout on the wire: padding-free packed rows are laid out inside the
@@ -76,6 +76,9 @@ class RolloutBatch:
     token_policy_version: torch.Tensor | None = None
     layout: str = "padded"
     extras: dict[str, Any] = field(default_factory=dict)
+    # The process's dataset rows, with a rollout function's extra fields merged in (PPO reads each turn's reward
+    # there); never on TRL's wire.
+    rows: list[dict[str, Any]] | None = field(default=None, repr=False)
     _key_order: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,7 +107,13 @@ class RolloutBatch:
 
     @classmethod
     def from_trl(
-        cls, output: dict[str, Any], *, rewards_per_func: torch.Tensor, policy_version: int, process_index: int
+        cls,
+        output: dict[str, Any],
+        *,
+        rewards_per_func: torch.Tensor,
+        policy_version: int,
+        process_index: int,
+        rows: list[dict[str, Any]] | None = None,
     ) -> RolloutBatch:
         """TRL's rollout dict (``_generate_and_score_completions``' result), typed."""
         typed = {key: output[key] for key in _TYPED_KEYS if key in output}
@@ -115,6 +124,7 @@ class RolloutBatch:
             policy_version=policy_version,
             process_index=process_index,
             extras=extras,
+            rows=rows,
             _key_order=[key for key in output if key != POLICY_VERSION_KEY],
         )
 

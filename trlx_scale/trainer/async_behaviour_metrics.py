@@ -18,27 +18,8 @@ class AsyncBehaviourMetricsMixin:
     takes a sequence mode's weight as ``sequence_behaviour_weight`` says."""
 
     def _sequence_weight_normalisation(self) -> str:
+        # Read by the rollout collector's correction and by the loss pass's (deferred) one alike.
         return "mean" if self.args.sequence_behaviour_weight == "geometric_mean" else "sum"
-
-    def _reweigh_sequences(self, output: dict) -> None:
-        """TRL's own pass (several optimizer steps per rollout) took a sequence mode's weight as the product of the
-        token ratios; with ``sequence_behaviour_weight="geometric_mean"`` it is taken again, as the deferred
-        correction takes it."""
-        mode = self.vllm_importance_sampling_mode
-        if not is_sequence_level(mode) or self._sequence_weight_normalisation() == "sum":
-            return
-        if "importance_sampling_ratio" not in output or "old_per_token_logps" not in output:
-            return
-        mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
-        output["importance_sampling_ratio"] = vllm_importance_sampling_ratio(
-            output["old_per_token_logps"],
-            output["sampling_per_token_logps"],
-            mask,
-            mode,
-            self.vllm_importance_sampling_clip_min,
-            self.vllm_importance_sampling_clip_max,
-            "mean",
-        )
 
     def _deferred_correction(self, logps: torch.Tensor, inputs: dict) -> None:
         had = "importance_sampling_ratio" in inputs

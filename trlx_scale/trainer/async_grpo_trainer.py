@@ -51,6 +51,7 @@ from accelerate.utils import gather
 from ..agents.gym_rollout import GymRollout
 from ..generation.server_generation import ServerGeneration
 from ..rollout.batch import RolloutBatch
+from ..rollout.collector import RolloutSamples
 from ..rollout.policy_version import RolloutPolicyVersions
 from ..rollout.prompt_stream import RankPromptStream
 from ..rollout.reward_logs import REWARD_LOG_KEY, replay_reward_logs
@@ -187,7 +188,6 @@ class AsyncGRPOTrainer(
         if self.model.training:
             self._prompt_stream.check_rollout(rollout, inputs)
         output = super()._generate_and_score_completions(inputs)
-        self._reweigh_sequences(output)
         if "old_per_token_logps" in output and "sampling_per_token_logps" in output:
             mask = output["completion_mask"]
             if "tool_mask" in output:  # tool results were not sampled: no behaviour log-prob to compare
@@ -195,45 +195,59 @@ class AsyncGRPOTrainer(
             self._log_behaviour(output["old_per_token_logps"], output["sampling_per_token_logps"], mask)
         return output
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """The producer's rewards of this rollout's groups (computed off the training loop), gathered as TRL's.
-        Evaluation's completions were sampled outside the producer: scored as ``GRPOTrainer`` scores them."""
+    def _sample_rollout(self, prompts, rows) -> RolloutSamples:
+        """TRL's driver took the producer's next groups from the server engine (``take_groups``): the samples are
+        those groups, each row with the policy version that sampled it (and each token with its own under
+        ``full_weight_reload="keep"``). Evaluation's completions were sampled now, outside the producer."""
+        samples = super()._sample_rollout(prompts, rows)
         if not self.model.training:
-            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        groups = self.vllm_generation.last_groups
+            return samples
+        groups = self.vllm_generation.last_groups  # the engine's answer to the driver's call that just returned
         sampled = [ids for group in groups for ids in group.sampled.completion_ids]
-        if [list(ids) for ids in completion_ids_list] != [list(ids) for ids in sampled]:
-            raise RuntimeError("the completions TRL scored are not the producer's (the rollout's order changed).")
-        local = torch.tensor(
-            [rewards for group in groups for rewards in group.rewards],
-            dtype=torch.float32,
-            device=self.accelerator.device,
-        )
-        replay_reward_logs(
-            [group.sampled.extras[REWARD_LOG_KEY] for group in groups], self._log_metric, self._log_completion_extra
-        )
-        self._report_reward_errors()  # what the guard recorded while the producer scored, on every rank at once
-        rewards_per_func = gather(local)
-        self._rollout_rewards = rewards_per_func
-        return rewards_per_func
+        if [list(ids) for ids in samples.completion_ids] != [list(ids) for ids in sampled]:
+            raise RuntimeError("the completions TRL returned are not the producer's (the rollout's order changed).")
+        samples.groups = groups
+        samples.policy_versions = [
+            RolloutPolicyVersions.of(group.sampled) for group in groups for _ in range(self.num_generations)
+        ]
+        if self.args.full_weight_reload == "keep":
+            samples.token_policy_versions = [
+                versions for group in groups for versions in RolloutPolicyVersions.of_tokens(group.sampled)
+            ]
+        return samples
+
+    def _rollout_rewards(self, rows, prompts, samples: RolloutSamples) -> torch.Tensor:
+        """The producer's rewards of this rollout's groups (scored off the training loop), gathered as TRL's; the
+        producer's ``log_metric`` / ``log_extra`` calls replayed. Evaluation's completions: scored as
+        ``GRPOTrainer`` scores them."""
+        if samples.groups is None:
+            return super()._rollout_rewards(rows, prompts, samples)
+        with self.phase_timer.phase("reward"):
+            local = torch.tensor(
+                [rewards for group in samples.groups for rewards in group.rewards],
+                dtype=torch.float32,
+                device=self.accelerator.device,
+            )
+            replay_reward_logs(
+                [group.sampled.extras[REWARD_LOG_KEY] for group in samples.groups],
+                self._log_metric,
+                self._log_completion_extra,
+            )
+            self._report_reward_errors()  # what the guard recorded while the producer scored, on every rank at once
+        return gather(local)
 
     def _finish_rollout(self, batch: RolloutBatch) -> RolloutBatch:
-        """Every row carries the policy version of the weights that sampled it; ``async/policy_version_lag_*``:
-        how many weight updates behind the trainer's those are (the schedule's ``async/staleness_*`` counts
-        rollouts, which a skipped step advances and the policy version does not). Evaluation's rows were sampled by
-        the current weights: the trainer's version, as in ``GRPOTrainer``."""
+        """``async/policy_version_lag_*``: how many weight updates behind the trainer's the weights that sampled each
+        row are (the schedule's ``async/staleness_*`` counts rollouts, which a skipped step advances and the policy
+        version does not); ``async/tokens_after_update_frac``. Evaluation's rows were sampled by the current weights:
+        the trainer's version, as in ``GRPOTrainer``."""
         if not self.model.training:
             return super()._finish_rollout(batch)
-        groups = self.vllm_generation.last_groups
-        versions = [RolloutPolicyVersions.of(group.sampled) for group in groups for _ in range(self.num_generations)]
-        device = batch.completion_ids.device
-        batch.policy_version = torch.tensor(versions, dtype=torch.long, device=device)
         lag = (self.policy_version - self.accelerator.gather(batch.policy_version)).float()
         metrics = self._metrics["train"]
         metrics["async/policy_version_lag_mean"].append(lag.mean().item())
         metrics["async/policy_version_lag_max"].append(lag.max().item())
-        if self.args.full_weight_reload == "keep":
-            batch.token_policy_version = self._token_policy_versions(groups, batch)
+        if batch.token_policy_version is not None:
             # The share of sampled tokens a reload reached inside their completion (sampled by newer weights than
             # the completion's first token).
             newer = (batch.token_policy_version > batch.policy_version[:, None]) * batch.completion_mask
@@ -241,17 +255,6 @@ class AsyncGRPOTrainer(
             share = counts[:, 0].sum() / counts[:, 1].sum().clamp(min=1)
             metrics["async/tokens_after_update_frac"].append(share.item())
         return super()._finish_rollout(batch)
-
-    @staticmethod
-    def _token_policy_versions(groups, batch: RolloutBatch) -> torch.Tensor:
-        """(B, C): each completion token's policy version, padding the row's own (the server's per-token versions
-        of ``full_weight_reload="keep"``: a reload that landed inside a completion splits it between two)."""
-        per_token = batch.policy_version[:, None].repeat(1, batch.completion_ids.size(1))
-        rows = [versions for group in groups for versions in RolloutPolicyVersions.of_tokens(group.sampled)]
-        for row, versions in enumerate(rows):
-            versions = versions[: per_token.size(1)]
-            per_token[row, : len(versions)] = torch.tensor(versions, dtype=torch.long)
-        return per_token
 
     # ---------------------------------------------------------------- lifetime
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):

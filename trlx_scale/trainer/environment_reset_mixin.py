@@ -1,19 +1,21 @@
-"""``EnvironmentResetMixin``: TRL's ``environment_factory`` environments are reset off the trainer's thread.
+"""``EnvironmentResetMixin``: a rollout's prompts, with ``environment_factory``'s environments drawn and reset.
 
-TRL 1.16 resets each rollout's environment in a loop on the trainer's thread before the first turn. Under
-``tool_scheduling="concurrent"`` (the default; "lockstep" keeps TRL's loop) this mixin runs those resets first, all
-at once in threads, each under ``tool_timeout``, and TRL's loop then reads their observations
-(``compat.trl_environment_resets``). A reset that raises or outlives the timeout on any rank stops every rank at once
-with the error named (``reliability.rank_agreement``), before anyone enters generation. ``AsyncGRPOTrainer`` does not
-reset TRL's instances at all (``_resets_trl_environments``): its producer resets environments of its own for each
-group it samples.
+The first stage of the rollout collector (``rollout.collector``). Each row gets an instance from TRL's pool and the
+per-rollout tool functions TRL's generation driver reads (``compat.trl_rollout_environments``). Under
+``tool_scheduling="concurrent"`` (the default) every reset runs at once, each in a thread under ``tool_timeout``;
+"lockstep" resets them one after another on the trainer's thread, as TRL does (for resets that are not
+thread-safe). A reset that raises or outlives the timeout on any rank stops every rank at once with the error named
+(``reliability.rank_agreement``), before anyone enters generation. ``AsyncGRPOTrainer`` draws but does not reset
+(``_resets_trl_environments``): its producer resets environments of its own for each group it samples.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers.utils import logging
 
-from ..compat import trl_environment_resets
+from ..compat import trl_rollout_environments as environments
 from ..options import option
 from ..reliability.rank_agreement import raise_if_any_rank_failed
 
@@ -23,30 +25,40 @@ logger = logging.get_logger(__name__)
 class EnvironmentResetMixin:
     """Part of ``GRPOTrainer`` (see the module docstring)."""
 
-    def _generate_and_score_completions(self, inputs):
-        if self.environment_factories is None or option(self.args, "tool_scheduling") != "concurrent":
-            # "lockstep" is TRL's loop throughout, its serial resets included (for resets that are not thread-safe).
-            return super()._generate_and_score_completions(inputs)
-        if not trl_environment_resets.supported():
-            if not getattr(self, "_told_serial_resets", False):
-                logger.warning(
-                    "TRL %s is not one trlx_scale checked its environment resets against (%s): environments are "
-                    "reset by TRL's own loop, one after another on the trainer's thread.",
-                    trl_environment_resets.trl.__version__,
-                    ", ".join(trl_environment_resets.TESTED_TRL),
-                )
-                self._told_serial_resets = True
-            return super()._generate_and_score_completions(inputs)
-        prepared, error = None, None
-        try:
-            prepared = trl_environment_resets.prepare_resets(
-                self, inputs, option(self.args, "tool_timeout"), run=self._resets_trl_environments()
+    def _rollout_prompts(self, rows: list[dict[str, Any]]) -> list:
+        """The rows' prompts, each followed by its environment's observation where a reset returned one."""
+        if self.environment_factories is None:
+            if self.tools:  # TRL's driver reads each rollout's tools from these lists
+                self._sync_tool_dicts, self._async_tool_dicts = environments.tool_dicts(self, len(rows))
+            return [row["prompt"] for row in rows]
+        prompts = [row.get("prompt", environments.EMPTY_PROMPT) for row in rows]
+        if not environments.supported() and not getattr(self, "_told_untested_environments", False):
+            logger.warning(
+                "TRL %s is not one trlx_scale checked its environment pool and tool dicts against (%s).",
+                environments.trl.__version__,
+                ", ".join(environments.TESTED_TRL),
             )
+            self._told_untested_environments = True
+        observations, error = None, None
+        try:
+            self._batch_environments = environments.environment_names(self, rows)
+            self.environments = environments.draw_like_trl(self, rows)
+            if self.tools:
+                self._sync_tool_dicts, self._async_tool_dicts = environments.tool_dicts(self, len(rows))
+            if self._resets_trl_environments():
+                observations = self._reset_environments(rows)
         except Exception as failure:  # noqa: BLE001 - raised on every rank just below
             error = failure
         raise_if_any_rank_failed(self.accelerator, "resetting the environments", error)
-        with trl_environment_resets.installed(prepared):
-            return super()._generate_and_score_completions(inputs)
+        if observations is None:
+            return prompts
+        return [environments.with_observation(p, o) for p, o in zip(prompts, observations, strict=True)]
+
+    def _reset_environments(self, rows: list[dict[str, Any]]) -> list:
+        arguments = [environments.reset_arguments(row, self._multi_environment) for row in rows]
+        if option(self.args, "tool_scheduling") == "concurrent":
+            return environments.run_resets(self.environments, arguments, option(self.args, "tool_timeout"))
+        return [env.reset(**kwargs) for env, kwargs in zip(self.environments, arguments, strict=True)]
 
     def _resets_trl_environments(self) -> bool:
         """Whether TRL's environment instances are reset for this rollout (False: the rollout does not use them)."""

@@ -37,13 +37,13 @@ from transformers.utils import logging
 from trl import GRPOTrainer as TRLGRPOTrainer
 
 from ..agents.gym_rollout import GymRollout
-from ..compat import old_logprob_pass
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..hub.secrets import check_tracker_uploads
 from ..options import option
 from ..reliability.input_checks import GRPO_COLUMNS, check_dataset_columns, check_launch_matches, check_train_dataset
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from ..rollout.batch import RolloutBatch
+from ..rollout.collector import RolloutCollector, RolloutSamples
 from ..rollout.reward_scoring import TRL_REWARD_INPUTS, rollout_reward_scorer
 from .colocated_engine_mixin import ColocatedEngineMixin
 from .concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
@@ -124,7 +124,6 @@ class GRPOTrainer(
             args = copy.copy(args)
             args.use_vllm = False
         self._loss_pass_inputs = None  # the _compute_loss call in progress (LossPassCorrectionMixin)
-        self._rollout_rewards = None  # the rewards of the _generate_and_score_completions call in progress
         check_train_dataset(train_dataset)
         check_dataset_columns(train_dataset, GRPO_COLUMNS, type(self).__name__)
         check_dataset_columns(eval_dataset, GRPO_COLUMNS, type(self).__name__, "eval_dataset")
@@ -185,10 +184,12 @@ class GRPOTrainer(
             else:
                 rewards_per_func = self._score_rollout(inputs, prompts, completions, completion_ids_list)
             self._report_reward_errors()
-        # TRL turns these into advantages inside _generate_and_score_completions and returns only those: they join
-        # the RolloutBatch that call produces (the attribute lives for that call only).
-        self._rollout_rewards = rewards_per_func
         return rewards_per_func
+
+    def _rollout_rewards(self, rows, prompts, samples: RolloutSamples) -> torch.Tensor:
+        """The collector's reward stage: (B_all, F), every process's rows (TRL's ``_calculate_rewards``: the seam a
+        script's subclass of TRL's trainer overrides)."""
+        return self._calculate_rewards(rows, prompts, samples.completions, samples.completion_ids)
 
     def _score_rollout(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
         """The rollout's rewards by trlx_scale's scorer (``rollout.reward_scoring``, the asynchronous producer's):
@@ -225,34 +226,41 @@ class GRPOTrainer(
             self._metrics[mode]["reliability/reward_errors"].append(float(skipped))
 
     def _generate_and_score_completions(self, inputs):
+        """TRL's hook for a rollout: trlx_scale's collector (``rollout.collector``) builds the ``RolloutBatch``,
+        the algorithm adds its quantities (``_finish_rollout``), and TRL's loss gets it as TRL's dict."""
         version = self.policy_version  # the engine serves it for this rollout (ensure_version)
-        self._rollout_rewards = None
-        # A GymRollout's environments reset from these rows (gym_rollout_mixin), and TRL adds a rollout_func's extra
-        # fields to them, which _finish_rollout may read (PPO: each step's reward): they live for this call only.
-        self._rollout_rows = inputs
-        try:
-            if self._defers_old_logprobs():
-                # TRL's separate old-policy pass is skipped; the loss pass fills the correction (_deferred_correction).
-                with old_logprob_pass.old_logprob_pass_skipped(self):
-                    output = super()._generate_and_score_completions(inputs)
-            else:
-                output = super()._generate_and_score_completions(inputs)
-            rewards_per_func = self._rollout_rewards
-            if rewards_per_func is None:
-                raise RuntimeError(
-                    "TRL's rollout returned without computing rewards (_calculate_rewards was not called)."
-                )
-            batch = RolloutBatch.from_trl(
-                output,
-                rewards_per_func=rewards_per_func,
-                policy_version=version,
-                process_index=self.accelerator.process_index,
-            )
-            batch = self._finish_rollout(batch)
-        finally:
-            self._rollout_rewards = self._rollout_rows = None
+        if self._rollout_has_images(inputs):
+            batch = self._trl_rollout(inputs, version)
+        else:
+            batch = RolloutCollector(self).collect(inputs, version)
+        batch = self._finish_rollout(batch)
         # Then the samples are dealt to the ranks by cost where that leaves the loss unchanged (balance_ranks).
         return self._balance_ranks(batch.to_trl())
+
+    def _rollout_has_images(self, inputs) -> bool:
+        return self._is_vlm or "images" in inputs[0] or "image" in inputs[0]
+
+    def _trl_rollout(self, inputs, version: int) -> RolloutBatch:
+        """A rollout with image inputs, by TRL's ``_generate_and_score_completions`` (the processor's pixel inputs,
+        tiles and token-type ids are model-specific), typed afterwards. Its rewards per function are the ones TRL
+        logged for it (the last ``B_all`` values of each function's reward log: float32 values, exact)."""
+        output = super()._generate_and_score_completions(inputs)
+        rows_all = output["completion_ids"].size(0) * self.accelerator.num_processes
+        logged = [list(self._logs["rewards"][name])[-rows_all:] for name in self.reward_func_names]
+        if any(len(values) != rows_all for values in logged):
+            raise ValueError(
+                f"a rollout with images has {rows_all} rows, more than TRL's reward log keeps (generation_batch_size="
+                f"{self.args.generation_batch_size}): lower per_device_eval_batch_size to at most "
+                "per_device_train_batch_size * steps_per_generation."
+            )
+        rewards_per_func = torch.tensor(logged, dtype=torch.float32, device=self.accelerator.device).T
+        return RolloutBatch.from_trl(
+            output,
+            rewards_per_func=rewards_per_func,
+            policy_version=version,
+            process_index=self.accelerator.process_index,
+            rows=inputs,
+        )
 
     def _finish_rollout(self, batch: RolloutBatch) -> RolloutBatch:
         """Seam: an algorithm adds its own per-rollout quantities to the batch TRL scored (PPO: KL-penalized rewards,

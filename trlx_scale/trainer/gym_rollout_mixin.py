@@ -6,8 +6,9 @@ trlx_scale's colocated engine inside one engine round (``serving_turns``: the tr
 asleep afterwards), each at its own pace (``ColocatedTurnSampler``: vLLM's continuous batching takes whatever turns
 are ready), each with a seed from the run's seed, the rank, the step and its index (a resumed run samples what the
 uninterrupted one sampled), under the trainer's budgets and prefix policy. The environments' ``reset`` gets the
-dataset row of its prompt: the rows of the ``_generate_and_score_completions`` call in progress (``_rollout_rows``,
-set there for that call only, since TRL's contract hands ``rollout_func`` the prompts alone).
+dataset row of its prompt: the rows of the rollout being sampled (``_rollout_rows``, set by ``_sample_rollout`` for
+the call of TRL's generation driver only, since TRL's contract hands ``rollout_func`` the prompts alone: the one value
+of the rollout collector that reaches a stage through the trainer).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..agents.gym_rollout import GymRollout
 from ..agents.multi_turn_rollout import trajectory_metrics
 from ..agents.trajectory_tokens import ObservationRenderer, TurnBudget
 from ..options import option
+from ..rollout.collector import RolloutSamples
 from .concurrent_tool_loop_mixin import _run_blocking
 
 
@@ -28,6 +30,15 @@ class GymRolloutMixin:
     """Part of ``GRPOTrainer`` (see the module docstring); needs ``ConcurrentToolLoopMixin``'s seeds."""
 
     _rollout_rows: list[dict[str, Any]] | None = None
+
+    def _sample_rollout(self, prompts: list, rows: list[dict[str, Any]]) -> RolloutSamples:
+        """The collector's sampling stage: TRL's generation driver ``_generate`` on the rollout's prompts, the rows
+        within reach of a ``GymRollout`` for that call."""
+        self._rollout_rows = rows
+        try:
+            return RolloutSamples(*self._generate(prompts))
+        finally:
+            self._rollout_rows = None
 
     def _gym_rollout(self, gym: GymRollout, prompts: list) -> dict[str, list]:
         engine = self._rollout_engine()

@@ -4,20 +4,19 @@ TRL computes the loss pass's log-probs inside ``_compute_loss`` and forms the ra
 between, at seams a subclass can override:
 
 - vLLM's importance-sampling correction from the loss pass (``old_logprobs_from_loss_pass``): where the loss pass
-  runs with the weights that generated the batch, TRL's separate old-policy pass is skipped and the correction is
-  computed from the loss pass's detached log-probs (``_defers_old_logprobs``, ``_deferred_correction``);
+  runs with the weights that generated the batch, the rollout collector runs no separate old-policy pass and the
+  correction is computed from the loss pass's detached log-probs (``_defers_old_logprobs``, ``_deferred_correction``);
 - GSPO-token's weights through TRL's token branch (``_postprocess_loss_logps``).
 """
 
 from __future__ import annotations
 
 import torch
-from trl.trainer.utils import nanmax, nanmin
 
-from ..compat import old_logprob_pass
 from ..losses.policy_losses import log_importance_weights
 from ..losses.vllm_importance_sampling import importance_sampling_statistics, vllm_importance_sampling_ratio
 from ..options import option
+from ..rollout.collector import record_importance_sampling
 
 
 class LossPassCorrectionMixin:
@@ -51,11 +50,11 @@ class LossPassCorrectionMixin:
         return old + log_importance_weights(logps, old, mask, "sequence_token")
 
     def _defers_old_logprobs(self) -> bool:
-        """Seam: whether vLLM's importance-sampling correction comes from the loss pass instead of TRL's separate
-        old-policy pass (``old_logprobs_from_loss_pass``). Valid when the loss pass runs with the weights that
+        """Seam: whether vLLM's importance-sampling correction comes from the loss pass instead of a separate
+        old-policy pass in the rollout (``old_logprobs_from_loss_pass``). Valid when the loss pass runs with the weights that
         generated the batch: TRL's own alignment condition (it then takes the loss pass's detached log-probs as the
         old ones itself, without vLLM). PPO needs its old log-probs in the rollout (KL rewards) and overrides this."""
-        if not (self.use_vllm and self.vllm_importance_sampling_correction and old_logprob_pass.supported()):
+        if not (self.use_vllm and self.vllm_importance_sampling_correction):
             return False
         if not option(self.args, "old_logprobs_from_loss_pass"):
             return False
@@ -87,12 +86,7 @@ class LossPassCorrectionMixin:
         # One gather (rows: ranks), then each statistic reduced across ranks as TRL reduces it.
         ranks = self.accelerator.gather(torch.stack(list(stats.values())).unsqueeze(0)).reshape(-1, len(stats))
         per_rank = dict(zip(stats, ranks.unbind(dim=1), strict=True))
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        metrics["sampling/sampling_logp_difference/mean"].append(per_rank["gap_mean"].mean().item())
-        metrics["sampling/sampling_logp_difference/max"].append(per_rank["gap_max"].max().item())
-        metrics["sampling/importance_sampling_ratio/min"].append(nanmin(per_rank["ratio_min"]).item())
-        metrics["sampling/importance_sampling_ratio/mean"].append(per_rank["ratio_mean"].nanmean().item())
-        metrics["sampling/importance_sampling_ratio/max"].append(nanmax(per_rank["ratio_max"]).item())
+        record_importance_sampling(self._metrics["train" if self.model.training else "eval"], per_rank)
 
     def _sequence_weight_normalisation(self) -> str:
         """Seam: how a sequence mode's correction weight combines its tokens (TRL's product here; the asynchronous

@@ -60,7 +60,7 @@ class PPOAdvantagesMixin:
         rewards = kl_penalty_rewards(scores.to(kl.dtype), kl, self.kl_controller.value, mask)
         discounts = None
         if turn_column is not None:
-            steps = [row.get(TURN_REWARDS) for row in self._rollout_rows]
+            steps = [row.get(TURN_REWARDS) for row in batch.rows]
             step_rewards = place_turn_rewards(steps, mask, turn_weight).to(rewards.dtype)
             rewards = rewards + step_rewards
             scores = scores + step_rewards.sum(dim=1).to(scores.dtype)
