@@ -133,3 +133,34 @@ def test_group_advantages_by_hand():
         group_advantages(rewards, torch.ones(1), 4, scale_rewards="groups")
     with pytest.raises(ValueError, match="multi_objective_aggregation must be one of"):
         group_advantages(rewards, torch.ones(1), 4, aggregation="sum")
+
+
+def test_trls_own_rollout_is_typed_with_the_rewards_it_logged(default_model_dir, tmp_path):
+    """Rollouts with images run through TRL's _generate_and_score_completions whole (GRPOTrainer._trl_rollout); their
+    RolloutBatch takes its rewards per function from TRL's reward log. On text rows (where both paths run) those are
+    the collector's rewards, and the batches are the same."""
+    # The old-policy pass in both (TRL's own rollout always runs it with vLLM's correction on).
+    args = small_grpo_config(
+        tmp_path, use_vllm=True, shared_prefix="false", max_completion_length=6, old_logprobs_from_loss_pass=False
+    )
+    trainer = GRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=[exact_match_reward, _reward_or_none],
+        args=args,
+        train_dataset=addition_dataset("train", size=16),
+    )
+    trainer.model.train()
+    dataset = addition_dataset("train", size=2)
+    rows = [dict(dataset[index]) for index in range(2) for _ in range(args.num_generations)]
+    collected = RolloutCollector(trainer).collect(copy.deepcopy(rows), policy_version=3)
+    typed = trainer._trl_rollout(copy.deepcopy(rows), 3)
+    assert typed.rewards_per_func.shape == (len(rows), 2)
+    assert _same(typed.rewards_per_func, collected.rewards_per_func)
+    assert torch.isnan(typed.rewards_per_func[1::2, 1]).all()  # None stays NaN through the log
+    ours, theirs = collected.to_trl(), typed.to_trl()
+    assert list(ours) == list(theirs)
+    assert all(_same(ours[key], theirs[key]) for key in theirs)
+    # Two functions of one name would share one reward log: refused by name rather than read wrongly.
+    trainer.reward_func_names = ["exact_match_reward", "exact_match_reward"]
+    with pytest.raises(ValueError, match="two share a name"):
+        trainer._trl_rollout(copy.deepcopy(rows), 3)

@@ -26,8 +26,12 @@ from typing import Any
 import trl
 
 TESTED_TRL = ("1.16",)
-# TRL's placeholder prompt for a row without one when an environment owns the data (its reset supplies the prompt).
-EMPTY_PROMPT = [{"role": "user", "content": ""}]
+
+
+def empty_prompt() -> list[dict[str, str]]:
+    """TRL's placeholder prompt for a row without one when an environment owns the data (its reset supplies the
+    prompt); a new list per row, as TRL's."""
+    return [{"role": "user", "content": ""}]
 
 
 class EnvironmentResetTimeout(TimeoutError):

@@ -195,6 +195,10 @@ class AsyncGRPOTrainer(
             self._log_behaviour(output["old_per_token_logps"], output["sampling_per_token_logps"], mask)
         return output
 
+    def _rollout_has_images(self, inputs) -> bool:
+        # Every rollout is the producer's, through the collector (the servers refuse images with a clear error).
+        return False
+
     def _sample_rollout(self, prompts, rows) -> RolloutSamples:
         """TRL's driver took the producer's next groups from the server engine (``take_groups``): the samples are
         those groups, each row with the policy version that sampled it (and each token with its own under
@@ -234,7 +238,7 @@ class AsyncGRPOTrainer(
                 self._log_completion_extra,
             )
             self._report_reward_errors()  # what the guard recorded while the producer scored, on every rank at once
-        return gather(local)
+            return gather(local)
 
     def _finish_rollout(self, batch: RolloutBatch) -> RolloutBatch:
         """``async/policy_version_lag_*``: how many weight updates behind the trainer's the weights that sampled each

@@ -31,7 +31,7 @@ class EnvironmentResetMixin:
             if self.tools:  # TRL's driver reads each rollout's tools from these lists
                 self._sync_tool_dicts, self._async_tool_dicts = environments.tool_dicts(self, len(rows))
             return [row["prompt"] for row in rows]
-        prompts = [row.get("prompt", environments.EMPTY_PROMPT) for row in rows]
+        prompts = [row["prompt"] if "prompt" in row else environments.empty_prompt() for row in rows]
         if not environments.supported() and not getattr(self, "_told_untested_environments", False):
             logger.warning(
                 "TRL %s is not one trlx_scale checked its environment pool and tool dicts against (%s).",

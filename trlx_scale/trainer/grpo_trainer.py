@@ -238,15 +238,27 @@ class GRPOTrainer(
         return self._balance_ranks(batch.to_trl())
 
     def _rollout_has_images(self, inputs) -> bool:
-        return self._is_vlm or "images" in inputs[0] or "image" in inputs[0]
+        """Rows with images, or a vision-language model's tools (whose results may carry images): TRL's rollout."""
+        return "images" in inputs[0] or "image" in inputs[0] or bool(self._is_vlm and self.tools)
 
     def _trl_rollout(self, inputs, version: int) -> RolloutBatch:
         """A rollout with image inputs, by TRL's ``_generate_and_score_completions`` (the processor's pixel inputs,
         tiles and token-type ids are model-specific), typed afterwards. Its rewards per function are the ones TRL
         logged for it (the last ``B_all`` values of each function's reward log: float32 values, exact)."""
-        output = super()._generate_and_score_completions(inputs)
+        names = self.reward_func_names
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"reward functions {names}: two share a name, and a rollout with images reads each one's rewards from "
+                "TRL's reward log, which is keyed by name. Give each reward function a name of its own (a def, not "
+                "two lambdas)."
+            )
+        self._rollout_rows = inputs  # a GymRollout's environments reset from them (gym_rollout_mixin)
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._rollout_rows = None
         rows_all = output["completion_ids"].size(0) * self.accelerator.num_processes
-        logged = [list(self._logs["rewards"][name])[-rows_all:] for name in self.reward_func_names]
+        logged = [list(self._logs["rewards"][name])[-rows_all:] for name in names]
         if any(len(values) != rows_all for values in logged):
             raise ValueError(
                 f"a rollout with images has {rows_all} rows, more than TRL's reward log keeps (generation_batch_size="
