@@ -56,6 +56,29 @@ def _cleared(trainer) -> None:
         value.clear()
 
 
+def _trainer_and_rows(default_model_dir, tmp_path, **overrides) -> tuple[GRPOTrainer, list[dict]]:
+    """A colocated-engine trainer in training mode with two reward functions (one leaving odd rows unscored), and two
+    prompts' rows, each ``num_generations`` times. The old-policy pass runs (``old_logprobs_from_loss_pass=False``),
+    as it does in TRL's own rollout with vLLM's correction on, so that both paths compute the same keys."""
+    args = small_grpo_config(
+        tmp_path,
+        use_vllm=True,
+        old_logprobs_from_loss_pass=False,
+        shared_prefix="false",
+        max_completion_length=6,
+        **overrides,
+    )
+    trainer = GRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=[exact_match_reward, _reward_or_none],
+        args=args,
+        train_dataset=addition_dataset("train", size=16),
+    )
+    trainer.model.train()
+    dataset = addition_dataset("train", size=2)
+    return trainer, [dict(dataset[index]) for index in range(2) for _ in range(args.num_generations)]
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -74,25 +97,7 @@ def test_the_collector_builds_the_batch_trls_rollout_builds(default_model_dir, t
     give the same tensors under the same keys in the same order, and log the same metrics and completion logs. The
     old-policy pass runs in both (``old_logprobs_from_loss_pass=False``), so vLLM's correction weights are compared;
     a bf16 engine beside the fp32 trainer makes them differ from 1."""
-    args = small_grpo_config(
-        tmp_path,
-        use_vllm=True,
-        vllm_dtype="auto",
-        old_logprobs_from_loss_pass=False,
-        shared_prefix="false",
-        max_completion_length=6,
-        **overrides,
-    )
-    trainer = GRPOTrainer(
-        model=default_model_dir,
-        reward_funcs=[exact_match_reward, _reward_or_none],
-        args=args,
-        train_dataset=addition_dataset("train", size=16),
-    )
-    trainer.model.train()
-    dataset = addition_dataset("train", size=2)
-    rows = [dict(dataset[index]) for index in range(2) for _ in range(args.num_generations)]
-
+    trainer, rows = _trainer_and_rows(default_model_dir, tmp_path, vllm_dtype="auto", **overrides)
     ours = RolloutCollector(trainer).collect(copy.deepcopy(rows), policy_version=0).to_trl()
     our_records = _recorded(trainer)
     _cleared(trainer)
@@ -104,7 +109,7 @@ def test_the_collector_builds_the_batch_trls_rollout_builds(default_model_dir, t
     assert "importance_sampling_ratio" in ours and "old_per_token_logps" in ours
     ratio = ours["importance_sampling_ratio"]
     assert not torch.all(ratio[ratio != 0] == 1.0)  # weights that mean something
-    if args.beta:
+    if trainer.args.beta:
         assert "ref_per_token_logps" in ours
     for key in theirs:
         assert _same(ours[key], theirs[key]), key
@@ -139,19 +144,7 @@ def test_trls_own_rollout_is_typed_with_the_rewards_it_logged(default_model_dir,
     """Rollouts with images run through TRL's _generate_and_score_completions whole (GRPOTrainer._trl_rollout); their
     RolloutBatch takes its rewards per function from TRL's reward log. On text rows (where both paths run) those are
     the collector's rewards, and the batches are the same."""
-    # The old-policy pass in both (TRL's own rollout always runs it with vLLM's correction on).
-    args = small_grpo_config(
-        tmp_path, use_vllm=True, shared_prefix="false", max_completion_length=6, old_logprobs_from_loss_pass=False
-    )
-    trainer = GRPOTrainer(
-        model=default_model_dir,
-        reward_funcs=[exact_match_reward, _reward_or_none],
-        args=args,
-        train_dataset=addition_dataset("train", size=16),
-    )
-    trainer.model.train()
-    dataset = addition_dataset("train", size=2)
-    rows = [dict(dataset[index]) for index in range(2) for _ in range(args.num_generations)]
+    trainer, rows = _trainer_and_rows(default_model_dir, tmp_path)
     collected = RolloutCollector(trainer).collect(copy.deepcopy(rows), policy_version=3)
     typed = trainer._trl_rollout(copy.deepcopy(rows), 3)
     assert typed.rewards_per_func.shape == (len(rows), 2)
