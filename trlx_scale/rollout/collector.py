@@ -140,7 +140,9 @@ class RolloutCollector:
 
         self._log(mode, prompts, completions, rewards_per_func, scored)
         if ratio is not None:
-            self._log_importance_sampling(mode, old_logps, tensors["sampling_per_token_logps"], ratio, loss_mask)
+            log_importance_sampling(
+                trainer, trainer._metrics[mode], old_logps, tensors["sampling_per_token_logps"], ratio, loss_mask
+            )
 
         extras = {"num_items_in_batch": num_items_in_batch}
         if ratio is not None:
@@ -285,17 +287,14 @@ class RolloutCollector:
             metrics[name].append(total / count)
         pending_metrics.clear()
 
-    def _log_importance_sampling(self, mode, old, sampling, ratio, mask) -> None:
-        """TRL's ``sampling/*`` metrics: the gap between the trainer's and the engine's log-probs, and the weights."""
-        stats = importance_sampling_statistics(old, sampling, ratio, mask, self.trainer.vllm_importance_sampling_mode)
-        # One gather (rows: ranks), then each statistic reduced across ranks as TRL reduces it.
-        accelerator = self.trainer.accelerator
-        ranks = accelerator.gather(torch.stack(list(stats.values())).unsqueeze(0)).reshape(-1, len(stats))
-        record_importance_sampling(self.trainer._metrics[mode], dict(zip(stats, ranks.unbind(dim=1), strict=True)))
 
-
-def record_importance_sampling(metrics: dict, per_rank: dict[str, torch.Tensor]) -> None:
-    """``sampling/*`` from each rank's statistics (``importance_sampling_statistics``), reduced as TRL reduces them."""
+def log_importance_sampling(trainer: Any, metrics: dict, old, sampling, ratio, mask) -> None:
+    """TRL's ``sampling/*`` metrics (the gap between the trainer's and the engine's log-probs, and the weights), from
+    the rollout's correction or the loss pass's deferred one: each rank's statistics in one gather (rows: ranks), then
+    each reduced across ranks as TRL reduces it. Every rank calls it at the same point."""
+    stats = importance_sampling_statistics(old, sampling, ratio, mask, trainer.vllm_importance_sampling_mode)
+    ranks = trainer.accelerator.gather(torch.stack(list(stats.values())).unsqueeze(0)).reshape(-1, len(stats))
+    per_rank = dict(zip(stats, ranks.unbind(dim=1), strict=True))
     metrics["sampling/sampling_logp_difference/mean"].append(per_rank["gap_mean"].mean().item())
     metrics["sampling/sampling_logp_difference/max"].append(per_rank["gap_max"].max().item())
     metrics["sampling/importance_sampling_ratio/min"].append(nanmin(per_rank["ratio_min"]).item())

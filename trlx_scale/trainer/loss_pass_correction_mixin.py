@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from ..losses.policy_losses import log_importance_weights
-from ..losses.vllm_importance_sampling import importance_sampling_statistics, vllm_importance_sampling_ratio
+from ..losses.vllm_importance_sampling import vllm_importance_sampling_ratio
 from ..options import option
-from ..rollout.collector import record_importance_sampling
+from ..rollout.collector import log_importance_sampling
 
 
 class LossPassCorrectionMixin:
@@ -82,11 +82,8 @@ class LossPassCorrectionMixin:
             self._sequence_weight_normalisation(),
         )
         inputs["importance_sampling_ratio"] = ratio
-        stats = importance_sampling_statistics(old, sampling, ratio, mask, mode)
-        # One gather (rows: ranks), then each statistic reduced across ranks as TRL reduces it.
-        ranks = self.accelerator.gather(torch.stack(list(stats.values())).unsqueeze(0)).reshape(-1, len(stats))
-        per_rank = dict(zip(stats, ranks.unbind(dim=1), strict=True))
-        record_importance_sampling(self._metrics["train" if self.model.training else "eval"], per_rank)
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        log_importance_sampling(self, metrics, old, sampling, ratio, mask)
 
     def _sequence_weight_normalisation(self) -> str:
         """Seam: how a sequence mode's correction weight combines its tokens (TRL's product here; the asynchronous
