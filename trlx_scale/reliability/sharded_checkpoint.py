@@ -146,8 +146,11 @@ def save_sharded(
     # on different ranks, and hang), and every save after the previous one.
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    stager = DefaultStager(StagingOptions(False, False, False, False))  # plain, synchronous copies
-    staged = {name: stager.stage(state) for name, state in parts.items()}
+    # Plain, synchronous copies, of both parts in one call: torch 2.11's stager empties its table of copiers after
+    # each stage, so a second stage on the same stager fails at the first dict (KeyError: <class 'type'>), as
+    # tests/gpu/test_sharded_checkpoint_gpu.py did on an H100.
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    staged = stager.stage(parts)
     stager.close()
     group = _background_group()
 

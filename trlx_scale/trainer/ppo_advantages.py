@@ -87,8 +87,12 @@ class PPOAdvantagesMixin:
             "ppo/explained_variance": explained,
             "ppo/unscored_rows": unscored.float().sum(),
         }
-        for key, value in metrics.items():
-            self._metrics[mode][key].append(self.accelerator.gather(value.float().reshape(1)).mean().item())
+        # One gather for all of them, on the accelerator's device: NCCL gathers only device tensors, and the
+        # controller's coefficient is a host float.
+        local = torch.stack([value.float().reshape(()).to(self.accelerator.device) for value in metrics.values()])
+        means = self.accelerator.gather(local.unsqueeze(0)).reshape(-1, len(metrics)).mean(dim=0).tolist()
+        for key, mean in zip(metrics, means, strict=True):
+            self._metrics[mode][key].append(mean)
         return batch
 
     def _own_turn_reward_column(self) -> int | None:
