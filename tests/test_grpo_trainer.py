@@ -100,6 +100,13 @@ def test_reward_functions_run_concurrently_with_trls_arguments(default_model_dir
     assert sorted(seen) == [("first", True, True), ("second", True, True)]
     assert _logged(trainer, "first/calls") == [1.0] and _logged(trainer, "second/calls") == [1.0]
     assert len(_logged(trainer, "rewards/first/mean")) == 1
+    # The scorer's threads end with the run, and a later run starts them again.
+    for thread in threading.enumerate():
+        if thread.name.startswith("trlx-scale-reward"):
+            thread.join(timeout=10)
+    assert not [thread.name for thread in threading.enumerate() if thread.name.startswith("trlx-scale-reward")]
+    trainer.train()
+    assert len(seen) == 4
     in_turn = GRPOTrainer(
         model=default_model_dir,
         reward_funcs=[meets("first"), meets("second")],

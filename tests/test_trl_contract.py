@@ -24,7 +24,7 @@ from trlx_scale.trainer.online_dpo_mixin import OnlineDPOMixin
 # business). The test fails when one disappears or changes signature upstream, and when a class starts to override
 # a TRL method (on purpose or by a name clash): pin it here then.
 TRL_OVERRIDES = {
-    GRPOTrainer: {"_calculate_rewards", "_generate_and_score_completions", "_prepare_inputs"},
+    GRPOTrainer: {"_calculate_rewards", "_generate_and_score_completions", "_prepare_inputs", "train"},
     LogProbPassesMixin: {"_get_per_token_logps_and_entropies"},
     LossPassCorrectionMixin: {"_compute_loss"},
     ColocatedEngineMixin: {"_generate_single_turn"},
@@ -32,7 +32,7 @@ TRL_OVERRIDES = {
     EnvironmentResetMixin: set(),
     DPOTrainer: {"_compute_loss"},
     DPOEngineMixin: {"_precompute_ref_logps"},
-    OnlineDPOMixin: {"_prepare_dataset"},
+    OnlineDPOMixin: {"_prepare_dataset", "train"},
     PPOTrainer: {"_compute_loss", "_load_from_checkpoint", "create_optimizer"},
     ColocatedVLLMGeneration: {"_init_vllm", "generate", "sync_weights"},
     AsyncGRPOTrainer: {"_generate_and_score_completions", "evaluate", "train"},

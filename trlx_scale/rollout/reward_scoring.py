@@ -63,7 +63,8 @@ class ConcurrentRewardScorer:
             raise ValueError(f"max_workers must be at least 1, got {max_workers}.")
         self.reward_funcs = list(reward_funcs)
         self.names = [get_callable_name(func) for func in self.reward_funcs]
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trlx-scale-reward")
+        self._max_workers = max_workers
+        self._pool: ThreadPoolExecutor | None = None  # made at first use, and again after close()
         # score_now only: every function in turn, the synchronous ones on the caller's thread (reward_scoring).
         self.sequential = sequential
         self._loop: asyncio.AbstractEventLoop | None = None  # score_now's, started at its first call
@@ -80,7 +81,7 @@ class ConcurrentRewardScorer:
             if is_async_callable(func):
                 calls.append(func(**kwargs))
             else:
-                calls.append(loop.run_in_executor(self._pool, functools.partial(func, **kwargs)))
+                calls.append(loop.run_in_executor(self._executor(), functools.partial(func, **kwargs)))
         outputs = await asyncio.gather(*calls)
         columns = [
             self._column(name, output, len(completions)) for name, output in zip(self.names, outputs, strict=True)
@@ -123,8 +124,17 @@ class ConcurrentRewardScorer:
             )
         return values
 
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="trlx-scale-reward")
+        return self._pool
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the worker threads and the event loop's thread. The scorer stays usable: a later call starts them
+        again (a synchronous trainer closes its scorer at the end of each ``train()``)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(timeout=5)

@@ -261,10 +261,10 @@ class AsyncGRPOTrainer(
         return super()._finish_rollout(batch)
 
     # ---------------------------------------------------------------- lifetime
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
         self._inside_train = True
         try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         finally:
             self._inside_train = False
             self.close_generation()

@@ -171,6 +171,15 @@ class GRPOTrainer(
             # version comparison (ensure_version), so TRL's tag only saves a call per micro-batch.
             self._last_loaded_step = -1
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        finally:
+            # The scorer's worker threads and event loop live only as long as a run: a later evaluate() or
+            # train() starts them again.
+            if self._rollout_scorer is not None:
+                self._rollout_scorer.close()
+
     def _prepare_inputs(self, generation_batch):
         # TRL's rollout (generation, rewards, log-prob passes, advantages) runs here on generation steps; the parts
         # with a phase of their own are timed inside, the rest (decoding, gathers, advantages) is "rollout".

@@ -51,6 +51,14 @@ class OnlineDPOMixin:
 
         return dataset.map(tokenize, desc=f"Tokenizing {dataset_name} prompts")
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        finally:
+            # The scorer's threads live only as long as a run (a later train() starts them again).
+            if self._online_scorer is not None:
+                self._online_scorer.close()
+
     def _training_step(self, model, inputs, num_items_in_batch=None):
         # Inside TrainerFeatures.training_step: profiled and guarded on every path, the batch without pairs included.
         if not self._online:
