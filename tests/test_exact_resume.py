@@ -48,11 +48,21 @@ def _run(kind: str, output_dir, resume=None, expect_failure: bool = False) -> di
     return json.loads(line.removeprefix("RESULT "))
 
 
+_STRAIGHT_RUNS: dict[str, tuple] = {}  # kind -> (output directory, logs): PPO's refusal test reuses its run
+
+
+def _straight(kind: str, tmp_path_factory) -> tuple:
+    if kind not in _STRAIGHT_RUNS:
+        out = tmp_path_factory.mktemp(f"straight_{kind}")
+        _STRAIGHT_RUNS[kind] = (out, _run(kind, out))
+    return _STRAIGHT_RUNS[kind]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_resumed_run_repeats_the_uninterrupted_one_exactly(kind, tmp_path):
-    straight = _run(kind, tmp_path / "straight")
-    resumed = _run(kind, tmp_path / "resumed", resume=tmp_path / "straight" / "checkpoint-1")
+def test_resumed_run_repeats_the_uninterrupted_one_exactly(kind, tmp_path, tmp_path_factory):
+    out, straight = _straight(kind, tmp_path_factory)
+    resumed = _run(kind, tmp_path / "resumed", resume=out / "checkpoint-1")
     assert sorted(straight) == ["1", "2", "3", "4"]
     for step in ("2", "3", "4"):
         assert "loss" in straight[step]
@@ -62,9 +72,10 @@ def test_resumed_run_repeats_the_uninterrupted_one_exactly(kind, tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_refuses_to_resume_without_its_critic(tmp_path):
-    _run("ppo_separate", tmp_path / "straight")
+def test_ppo_refuses_to_resume_without_its_critic(tmp_path, tmp_path_factory):
+    out, _ = _straight("ppo_separate", tmp_path_factory)  # the exact-resume test's run: this test damages a copy
     checkpoint = tmp_path / "straight" / "checkpoint-1"
+    shutil.copytree(out / "checkpoint-1", checkpoint)
     os.remove(checkpoint / PPO_STATE_NAME)
     # The completion marker's checksums see the missing file first and name it ...
     stderr = _run("ppo_separate", tmp_path / "resumed", resume=checkpoint, expect_failure=True)
