@@ -140,10 +140,20 @@ class _StepClock:
 
 
 def run_server_config(
-    cli, kind: str, max_staleness: int, latency: float, url: str, seed: int, workdir: str, callbacks=()
+    cli,
+    kind: str,
+    max_staleness: int,
+    latency: float,
+    url: str,
+    seed: int,
+    workdir: str,
+    callbacks=(),
+    reward=None,
+    async_overrides=None,
 ) -> float:
     """Samples per second over steps 3..N of one run (``kind``: "sync" or "async"); ``callbacks``: more trainer
-    callbacks (benchmarks/async_cpu_profile.py)."""
+    callbacks (benchmarks/async_cpu_profile.py); ``reward``: the reward function instead of ``latency``'s,
+    ``async_overrides``: more AsyncGRPOConfig fields (benchmarks/reward_processes.py)."""
     from peft import LoraConfig
 
     from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
@@ -168,7 +178,9 @@ def run_server_config(
         args = GRPOConfig(**common, use_vllm=True, vllm_mode="colocate", vllm_dtype="trainer")
         trainer_cls = GRPOTrainer
     else:
-        args = AsyncGRPOConfig(**common, max_staleness=max_staleness, vllm_server_base_url=url)
+        args = AsyncGRPOConfig(
+            **common, max_staleness=max_staleness, vllm_server_base_url=url, **(async_overrides or {})
+        )
         trainer_cls = AsyncGRPOTrainer
     # The example's policy: the embedded model through a rank-64 LoRA on every linear layer.
     lora = LoraConfig(
@@ -178,7 +190,7 @@ def run_server_config(
     )
     trainer = trainer_cls(
         model=default_model_path(),
-        reward_funcs=_latency_reward(latency),
+        reward_funcs=reward if reward is not None else _latency_reward(latency),
         args=args,
         train_dataset=addition_dataset("train", size=4096),
         peft_config=lora,

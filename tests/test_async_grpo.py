@@ -30,6 +30,7 @@ from trlx_scale.generation.vllm_server import ServerLaunch, VLLMServerProcess, f
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
 from .helpers.launch import ACCELERATE, REPO_ROOT, read_run_summary, run_command, run_torchrun_report
+from .helpers.process_rewards import worker_pid_reward
 from .helpers.trainers import logged, small_grpo_config
 
 pytestmark = pytest.mark.slow
@@ -469,6 +470,27 @@ def test_reward_functions_get_trls_arguments_and_the_guard(server, default_model
     refusing = _async(tmp_path / "inf", default_model_dir, server, reward_funcs=infinite_reward, max_steps=2)
     with pytest.raises(RewardFunctionError, match="infinite_reward' returned inf"):
         refusing.train()
+
+
+def test_synchronous_rewards_run_in_worker_processes_with_trls_arguments(server, default_model_dir, tmp_path):
+    """async_reward_processes=1: the producer's synchronous reward runs in a worker process (the process id it logs
+    is not the trainer's), its log_metric / log_extra calls reach the step that trains its group, and the run
+    trains on its rewards."""
+    trainer = _async(
+        tmp_path,
+        default_model_dir,
+        server,
+        reward_funcs=[worker_pid_reward],
+        max_staleness=1,
+        max_steps=2,
+        async_reward_processes=1,
+    )
+    trainer.train()
+    pids = logged(trainer, "worker_pid")
+    assert len(pids) == 2 and all(pid != float(os.getpid()) for pid in pids)
+    assert "worker_note" in trainer._logs["extra"]
+    assert len(logged(trainer, "rewards/worker_pid_reward/mean")) == 2
+    assert trainer._reward_processes is not None and trainer._reward_processes._pool is None  # closed with the run
 
 
 def test_lora_versions_are_adapters_of_their_own(server, default_model_dir, default_model, tmp_path):

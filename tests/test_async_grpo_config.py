@@ -30,6 +30,7 @@ from .helpers.trainers import small_grpo_config
         ({"vllm_server_weight_transfer": "ipc"}, "vllm_server_weight_transfer='ipc': choose 'files'"),
         ({"sequence_behaviour_weight": "median"}, "sequence_behaviour_weight='median': choose 'product'"),
         ({"async_reward_workers": 0}, "async_reward_workers must be at least 1"),
+        ({"async_reward_processes": -1}, "async_reward_processes must be 0 \\(threads\\) or a number"),
         ({"full_weight_reload": "abort"}, "full_weight_reload='abort': choose 'drain'"),
         (
             {"full_weight_reload": "keep", "vllm_server_weight_transfer": "nccl"},

@@ -30,6 +30,11 @@ class RewardFunctionError(RuntimeError):
     """A reward function raised, or returned inf, for a sample."""
 
 
+class RewardScoringUnavailable(RuntimeError):
+    """What runs the reward function failed, not the function on a sample (a worker process died, or was stopped
+    under the call): the guard raises it as it is, without retrying the samples one by one or blaming one."""
+
+
 def _preview(value: Any) -> str:
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= COMPLETION_PREVIEW_CHARS else text[:COMPLETION_PREVIEW_CHARS] + "..."
@@ -60,6 +65,8 @@ class GuardedRewardFunction:
     def __call__(self, prompts: Sequence, completions: Sequence, **kwargs: Any) -> list:
         try:
             rewards = list(self.func(prompts=prompts, completions=completions, **kwargs))
+        except RewardScoringUnavailable:
+            raise
         except Exception:  # noqa: BLE001 - located per sample below, then reported on every rank
             rewards = self._score_one_by_one(prompts, completions, kwargs)
         for index, reward in enumerate(rewards):
@@ -87,6 +94,8 @@ class GuardedRewardFunction:
                         prompts=prompts[index : index + 1], completions=completions[index : index + 1], **sample_kwargs
                     )
                 )
+            except RewardScoringUnavailable:
+                raise
             except Exception as error:  # noqa: BLE001
                 rewards.append(None)
                 if self.mode == "skip":

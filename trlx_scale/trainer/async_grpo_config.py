@@ -101,6 +101,17 @@ class AsyncGRPOConfig(GRPOConfig):
             "groups in flight (async reward functions are awaited together on the producer's event loop)."
         },
     )
+    async_reward_processes: int = field(
+        default=0,
+        metadata={
+            "help": "Worker processes that run the synchronous reward functions (0: threads of the trainer's process, "
+            "async_reward_workers of them). A reward that computes in Python (parsing, math verification) holds the "
+            "GIL in a thread and slows the training loop's own Python; in a process it does not. Each function must "
+            "be importable by name from a module (not defined in the training script, not a lambda or a closure), "
+            "and runs with environment_factory are refused. Default 0: on a 2-core CPU machine, where the server, "
+            "the trainer and the workers share the cores, processes measured no faster (docs/benchmarks.md)."
+        },
+    )
     vllm_importance_sampling_mode: str = field(
         default="token_truncate",
         metadata={
@@ -243,6 +254,10 @@ class AsyncGRPOConfig(GRPOConfig):
             raise ValueError("request_timeout and vllm_server_timeout must be positive (seconds).")
         if self.async_reward_workers < 1:
             raise ValueError(f"async_reward_workers must be at least 1, got {self.async_reward_workers}.")
+        if self.async_reward_processes < 0:
+            raise ValueError(
+                f"async_reward_processes must be 0 (threads) or a number of processes, got {self.async_reward_processes}."
+            )
         self._check_sampling_settings()
 
     def _check_sampling_settings(self) -> None:

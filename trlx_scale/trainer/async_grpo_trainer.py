@@ -55,6 +55,7 @@ from ..rollout.collector import RolloutSamples
 from ..rollout.policy_version import RolloutPolicyVersions
 from ..rollout.prompt_stream import RankPromptStream
 from ..rollout.reward_logs import REWARD_LOG_KEY, replay_reward_logs
+from ..rollout.reward_processes import send_reward_functions_to_processes
 from ..rollout.staleness import StalenessSchedule
 from .async_behaviour_metrics import AsyncBehaviourMetricsMixin
 from .async_checkpoint_window import AsyncCheckpointWindowMixin
@@ -160,8 +161,16 @@ class AsyncGRPOTrainer(
         self._check_vllm_only_options()
         self._check_async_tools()
         self._check_async_gym()
-        # TRL's list, with GRPOTrainer's guard around each synchronous function (reward_errors, non-finite rewards).
+        # TRL's list, with GRPOTrainer's guard around each synchronous function (reward_errors, non-finite rewards),
+        # whose function runs in a worker process under async_reward_processes.
         self._async_reward_funcs = list(self.reward_funcs)
+        self._reward_processes = send_reward_functions_to_processes(
+            self.reward_funcs,
+            self.args.async_reward_processes,
+            environment_factory,
+            rollout_func,
+            "async_reward_processes",
+        )
         self._last_loaded_step = -1
         self.vllm_generation: ServerGeneration | None = None
         self._prompt_stream: RankPromptStream | None = None
@@ -181,6 +190,8 @@ class AsyncGRPOTrainer(
     def _generate_and_score_completions(self, inputs):
         if self.vllm_generation is None:
             self.vllm_generation = self._build_server_engine()
+            if self._reward_processes is not None:
+                self._reward_processes.open()  # closed with the last engine
         rollout = self._current_rollout()
         # Evaluation, after step k: rollout k's weights are the trainer's current ones, sent now rather than at the
         # next rollout (the schedule is a function of the group alone: only the timing moves).
@@ -282,5 +293,7 @@ class AsyncGRPOTrainer(
         if self.vllm_generation is not None:
             self.vllm_generation.close()
             self._reward_scorer.close()
+            if self._reward_processes is not None:
+                self._reward_processes.close()  # reopened with the next engine
             self._close_tools()
             self.vllm_generation = None  # a later train() builds a new one
