@@ -52,7 +52,12 @@ _LOG_CALLBACKS = ("log_metric", "log_extra")
 
 def _stop(pool: ProcessPoolExecutor) -> None:
     """Shut ``pool`` down without waiting, and end its workers: a reward stuck in one must not hold the trainer's
-    exit (the interpreter joins a pool's busy workers at exit)."""
+    exit (the interpreter joins a pool's busy workers at exit). Python 3.14 has ``terminate_workers``; before it, the
+    pool's process table (CPython's ``_processes``) is the only handle on them. tests/test_reward_processes.py fails
+    if a busy worker outlives ``close``."""
+    if hasattr(pool, "terminate_workers"):
+        pool.terminate_workers()
+        return
     workers = list((getattr(pool, "_processes", None) or {}).values())
     pool.shutdown(wait=False, cancel_futures=True)
     for worker in workers:
