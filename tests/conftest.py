@@ -51,6 +51,20 @@ def default_tokenizer(default_model_dir):
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
+@pytest.fixture(scope="session")
+def grpo_example_three_steps(tmp_path_factory):
+    """examples/grpo.py for 3 steps in 1 process through `accelerate launch`, with the example's defaults and 40
+    held-out prompts: (output directory, what it printed). Every test that reads such a run (the example's saved
+    files and summary, the planner against the measured peak) reads this one instead of launching its own."""
+    from .helpers.launch import ACCELERATE_LAUNCH, REPO_ROOT, run_command
+
+    out = tmp_path_factory.mktemp("grpo_example_three_steps")
+    single = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    example = os.path.join(REPO_ROOT, "examples", "grpo.py")
+    arguments = [example, "--max_steps", "3", "--eval_size", "40", "--output_dir", str(out)]
+    return out, run_command([*ACCELERATE_LAUNCH, *single, *arguments], timeout=1200).stdout
+
+
 @pytest.fixture()
 def default_model(default_model_dir):
     """A fresh fp32 copy of the default model for each test (tests may change its weights)."""

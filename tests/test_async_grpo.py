@@ -29,7 +29,7 @@ from trlx_scale.generation.server_weights import write_full_weights
 from trlx_scale.generation.vllm_server import ServerLaunch, VLLMServerProcess, free_port
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
-from .helpers.launch import ACCELERATE, REPO_ROOT, read_run_summary, run_command, run_torchrun_report
+from .helpers.launch import ACCELERATE_LAUNCH, REPO_ROOT, read_run_summary, run_command, run_torchrun_report
 from .helpers.process_rewards import worker_pid_reward
 from .helpers.trainers import logged, small_grpo_config
 
@@ -609,8 +609,7 @@ def test_two_processes_train_asynchronously_and_learn(config, server, tmp_path):
     the first ones. (A trainer starting its own server: test_staleness_is_bounded_and_every_version_verified.)"""
     out = tmp_path / "out"
     command = [
-        ACCELERATE,
-        "launch",
+        *ACCELERATE_LAUNCH,
         "--config_file",
         os.path.join(REPO_ROOT, "configs", "accelerate", f"{config}.yaml"),
         os.path.join(REPO_ROOT, "examples", "async_grpo.py"),
@@ -834,8 +833,7 @@ def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(se
     report = tmp_path / "faults"
     with FaultProxy(server.url) as proxy:
         command = [
-            ACCELERATE,
-            "launch",
+            *ACCELERATE_LAUNCH,
             "--config_file",
             os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml"),
             "--main_process_port",
@@ -884,7 +882,7 @@ def _interrupted_async(output_dir, server, *extra, processes: int = 1) -> list[s
     if processes == 1:
         return [sys.executable, *arguments]
     config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml")
-    return [ACCELERATE, "launch", "--config_file", config, "--main_process_port", str(free_port()), *arguments]
+    return [*ACCELERATE_LAUNCH, "--config_file", config, "--main_process_port", str(free_port()), *arguments]
 
 
 def test_preempted_async_run_saves_its_window_and_resumes_exactly(server, tmp_path):

@@ -236,12 +236,12 @@ def test_a_two_process_cpu_launch_without_use_cpu_is_refused(tmp_path):
     processes would train alone on the same output_dir. Both refuse, naming the fix."""
     import subprocess
 
-    from .helpers.launch import ACCELERATE, LAUNCH_VARIABLES, REPO_ROOT
+    from .helpers.launch import ACCELERATE_LAUNCH, LAUNCH_VARIABLES, REPO_ROOT
 
     config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml")
     script = os.path.join(REPO_ROOT, "tests", "scripts", "launch_without_use_cpu.py")
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    command = [ACCELERATE, "launch", "--config_file", config, "--main_process_port", "29538", script, str(tmp_path)]
+    command = [*ACCELERATE_LAUNCH, "--config_file", config, "--main_process_port", "29538", script, str(tmp_path)]
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
     # The two ranks share stdout: their lines can interleave on one line (seen in CI), so count the messages.

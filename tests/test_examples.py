@@ -2,28 +2,25 @@
 
 import os
 import re
-import sys
 
 import pytest
 
-from .helpers.launch import ACCELERATE, REPO_ROOT, read_run_summary, run_command
+from .helpers.examples import example_help, example_module
+from .helpers.launch import ACCELERATE, ACCELERATE_LAUNCH, REPO_ROOT, read_run_summary, run_command
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "grpo.py")
 
 
-def test_help_lists_config_fields_as_flags():
-    result = run_command([sys.executable, EXAMPLE, "--help"], timeout=300)
+def test_help_lists_config_fields_as_flags(capsys):
+    printed = example_help("grpo", capsys)
     for flag in ("--vllm_dtype", "--vllm_cpu_kvcache_space", "--num_generations", "--use_peft", "--answer_column"):
-        assert flag in result.stdout, flag
+        assert flag in printed, flag
 
 
 @pytest.mark.slow
-def test_example_single_process_saves_adapter_and_summary(tmp_path):
-    out = tmp_path / "run"
-    result = run_command(
-        [sys.executable, EXAMPLE, "--max_steps", "3", "--eval_size", "40", "--output_dir", str(out)], timeout=900
-    )
-    assert "held-out acc." in result.stdout
+def test_example_single_process_saves_adapter_and_summary(grpo_example_three_steps):
+    out, printed = grpo_example_three_steps
+    assert "held-out acc." in printed
     summary = read_run_summary(out)
     assert summary["steps"] == 3 and summary["world_size"] == 1
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
@@ -63,7 +60,7 @@ def test_example_under_deepspeed_zero3_syncs_gathered_weights(tmp_path, use_peft
     out = tmp_path / "zero3"
     config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml")
     run_command(
-        [ACCELERATE, "launch", "--config_file", config, EXAMPLE]
+        [*ACCELERATE_LAUNCH, "--config_file", config, EXAMPLE]
         + ["--max_steps", "2", "--eval_size", "40", "--output_dir", str(out), "--logging_steps", "1"]
         + ["--use_peft", use_peft, "--learning_rate", "1e-4", "--vllm_sync_bucket_mb", "1"]
         + ["--vllm_sync_mode", "lora" if use_peft == "true" else "auto"],
@@ -80,9 +77,7 @@ def test_default_run_improves_held_out_accuracy_as_much_as_the_readme_claims(tmp
     """The README's main job, as `make run` launches it: held-out accuracy must rise at least by the floor the README
     states, the README's printed summary must be above that floor too, and the run records an accuracy curve."""
     out = tmp_path / "learn"
-    result = run_command(
-        [ACCELERATE, "launch", "--num_processes", "1", EXAMPLE, "--output_dir", str(out)], timeout=1800
-    )
+    result = run_command([*ACCELERATE_LAUNCH, "--num_processes", "1", EXAMPLE, "--output_dir", str(out)], timeout=1800)
     summary = read_run_summary(out)
     gain = 100 * (summary["accuracy_after"] - summary["accuracy_before"])
     with open(os.path.join(REPO_ROOT, "README.md")) as handle:
@@ -98,22 +93,12 @@ def test_default_run_improves_held_out_accuracy_as_much_as_the_readme_claims(tmp
     assert summary["accuracy_curve"][-1][1] == summary["accuracy_after"]
 
 
-def _example_module(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(REPO_ROOT, "examples", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("name", ["grpo", "ppo", "dpo"])
 def test_preset_in_a_config_file_replaces_the_example_optimizer_defaults(name, tmp_path):
     """--optim_preset set in a --config YAML (not on the command line) wins over the example's own learning rate."""
     from trlx_scale.tasks.example_runtime import parse_example_flags
 
-    example = _example_module(name).EXAMPLE
+    example = example_module(name).EXAMPLE
     _, plain, _ = parse_example_flags(example, [])
     config_file = tmp_path / "run.yaml"
     config_file.write_text("optim_preset: dpo\n" if name == "dpo" else "optim_preset: grpo_lora\n")
@@ -127,7 +112,7 @@ def test_preset_in_a_config_file_replaces_the_example_optimizer_defaults(name, t
 def test_every_example_honours_the_same_shared_flags(name, tmp_path):
     from trlx_scale.tasks.example_runtime import SHARED_EXAMPLE_DEFAULTS, parse_example_flags
 
-    example = _example_module(name).EXAMPLE
+    example = example_module(name).EXAMPLE
     _, config, model_args = parse_example_flags(example, ["--dtype", "bfloat16", "--lora_r", "8"])
     assert model_args.dtype == "bfloat16" and model_args.lora_r == 8
     assert config.vllm_dtype == SHARED_EXAMPLE_DEFAULTS["vllm_dtype"] and config.seed == 42
@@ -136,7 +121,7 @@ def test_every_example_honours_the_same_shared_flags(name, tmp_path):
 def test_dpo_online_defaults_follow_a_config_file(tmp_path):
     from trlx_scale.tasks.example_runtime import parse_example_flags
 
-    module = _example_module("dpo")
+    module = example_module("dpo")
     config_file = tmp_path / "online.yaml"
     config_file.write_text("online: true\n")
     _, config, _ = parse_example_flags(module.EXAMPLE, ["--config", str(config_file)])

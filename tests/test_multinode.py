@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .helpers.launch import ACCELERATE, REPO_ROOT
+from .helpers.launch import ACCELERATE_LAUNCH, REPO_ROOT
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "grpo.py")
 
@@ -18,7 +18,7 @@ def _launch_two_nodes(config_name, tmp_path, port, extra_launch_args=()):
     config = os.path.join(REPO_ROOT, "configs", "accelerate", config_name)
     processes = []
     for rank in (0, 1):
-        command = [ACCELERATE, "launch", "--config_file", config, "--num_machines", "2", "--num_processes", "2"]
+        command = [*ACCELERATE_LAUNCH, "--config_file", config, "--num_machines", "2", "--num_processes", "2"]
         command += ["--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
         command += [*extra_launch_args, EXAMPLE, "--max_steps", "2", "--eval_size", "20"]
         command += ["--output_dir", str(tmp_path / f"node{rank}"), "--save_on_each_node", "true"]

@@ -14,14 +14,14 @@ import subprocess
 
 import pytest
 
-from .helpers.launch import ACCELERATE, REPO_ROOT, launch_env
+from .helpers.launch import ACCELERATE_LAUNCH, REPO_ROOT, launch_env
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "grpo.py")
 
 
 def _run(tmp_path, config: str, padding_free: str, port: int) -> list[dict]:
     out = tmp_path / f"{config}-{padding_free}"
-    command = [ACCELERATE, "launch", "--config_file", os.path.join(REPO_ROOT, "configs", "accelerate", config)]
+    command = [*ACCELERATE_LAUNCH, "--config_file", os.path.join(REPO_ROOT, "configs", "accelerate", config)]
     # 8 held-out prompts: the accuracy is not what is compared (0 would score the embedded task's whole split).
     command += ["--main_process_port", str(port), EXAMPLE, "--max_steps", "2", "--eval_size", "8"]
     command += ["--logging_steps", "1", "--output_dir", str(out), "--per_device_train_batch_size", "16"]

@@ -11,14 +11,14 @@ import os
 
 import pytest
 
-from .helpers.launch import ACCELERATE, REPO_ROOT, run_command, run_torchrun_report
+from .helpers.launch import ACCELERATE_LAUNCH, REPO_ROOT, run_command, run_torchrun_report
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "distributed", "ppo_zero3_partitions.py")
 CONFIG = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml")
 
 
 def _run(kind: str, out, port: int) -> list[dict]:
-    command = [ACCELERATE, "launch", "--config_file", CONFIG, "--main_process_port", str(port), SCRIPT, kind, str(out)]
+    command = [*ACCELERATE_LAUNCH, "--config_file", CONFIG, "--main_process_port", str(port), SCRIPT, kind, str(out)]
     run_command(command, timeout=900)
     reports = []
     for rank in range(2):
@@ -145,7 +145,7 @@ def test_separate_critic_engine_builds_under_zero3_with_bf16(tmp_path):
     script = os.path.join(REPO_ROOT, "tests", "distributed", "ppo_zero3_bf16_critic.py")
     out = tmp_path / "out"
     out.mkdir()
-    command = [ACCELERATE, "launch", "--config_file", str(config), "--main_process_port", "29597", script, str(out)]
+    command = [*ACCELERATE_LAUNCH, "--config_file", str(config), "--main_process_port", "29597", script, str(out)]
     run_command(command, timeout=600)
     for rank in range(2):
         report = json.loads((out / f"rank{rank}.json").read_text())

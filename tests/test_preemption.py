@@ -24,10 +24,9 @@ from trlx_scale.reliability.preemption import (
     PreemptionHandler,
 )
 
-from .helpers.launch import REPO_ROOT, run_result, signal_once_progressed
+from .helpers.launch import ACCELERATE_LAUNCH, REPO_ROOT, run_result, signal_once_progressed
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "scripts", "interrupted_run.py")
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 CPU_DDP = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml")
 STEPS = 5
 
@@ -36,7 +35,7 @@ def _command(output_dir, *extra, processes: int = 1, port: int = 29591) -> list[
     arguments = [SCRIPT, str(output_dir), "--max_steps", str(STEPS), "--save_steps", "100", *extra]
     if processes == 1:
         return [sys.executable, *arguments]
-    return [ACCELERATE, "launch", "--config_file", CPU_DDP, "--main_process_port", str(port), *arguments]
+    return [*ACCELERATE_LAUNCH, "--config_file", CPU_DDP, "--main_process_port", str(port), *arguments]
 
 
 def _same_metrics(interrupted: dict, straight: dict) -> None:

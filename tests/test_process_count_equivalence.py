@@ -14,7 +14,8 @@ import os
 
 import pytest
 
-from .helpers.launch import ACCELERATE, REPO_ROOT, run_command
+from .helpers.examples import example_module
+from .helpers.launch import ACCELERATE_LAUNCH, REPO_ROOT, run_command
 
 # Measured here: every compared value agreed to 5e-6 relative (losses near zero to 1e-6 absolute).
 RELATIVE, ABSOLUTE = 1e-4, 1e-5
@@ -26,30 +27,37 @@ KEYS = {
 }
 
 
-def _run(example: str, extra: list[str], out, processes: int, port: int, config: str = "cpu_ddp.yaml") -> list[dict]:
-    launch = [ACCELERATE, "launch"]
-    if processes == 1:
-        launch += ["--num_processes", "1"]
-    else:
-        launch += ["--config_file", os.path.join(REPO_ROOT, "configs", "accelerate", config)]
-        launch += ["--main_process_port", str(port)]
+def _arguments(extra: list[str], out, processes: int) -> list[str]:
     batch = str(16 // processes)
-    command = [*launch, os.path.join(REPO_ROOT, "examples", example), *extra, "--max_steps", "3"]
     # 8 held-out prompts: the accuracy is not what is compared (0 would score the embedded task's whole split).
-    command += ["--logging_steps", "1", "--eval_size", "8", "--per_device_train_batch_size", batch]
-    run_command([*command, "--output_dir", str(out)], timeout=900)
+    flags = ["--max_steps", "3", "--logging_steps", "1", "--eval_size", "8", "--per_device_train_batch_size", batch]
+    return [*extra, *flags, "--output_dir", str(out)]
+
+
+def _losses(out) -> list[dict]:
     with open(out / "trainer_state.json") as handle:
         return [entry for entry in json.load(handle)["log_history"] if "loss" in entry]
+
+
+def _run(example: str, extra: list[str], out, port: int, config: str) -> list[dict]:
+    """2 processes through `accelerate launch` with ``config``."""
+    launch = [*ACCELERATE_LAUNCH, "--config_file", os.path.join(REPO_ROOT, "configs", "accelerate", config)]
+    launch += ["--main_process_port", str(port), os.path.join(REPO_ROOT, "examples", example)]
+    run_command([*launch, *_arguments(extra, out, processes=2)], timeout=900)
+    return _losses(out)
 
 
 _SINGLE_PROCESS_RUNS: dict[tuple, list[dict]] = {}  # one 1 x B run serves every backend it is compared with
 
 
 def _single_process(example: str, extra: list[str], tmp_path_factory) -> list[dict]:
+    """1 process x B rows: the example's main() in this process (the launcher adds nothing to one process without
+    a config, and another process would spend 15-25 s importing torch, TRL and vLLM again)."""
     key = (example, *extra)
     if key not in _SINGLE_PROCESS_RUNS:
         out = tmp_path_factory.mktemp("one")
-        _SINGLE_PROCESS_RUNS[key] = _run(example, extra, out, processes=1, port=0)
+        example_module(example.removesuffix(".py")).main(_arguments(extra, out, processes=1))
+        _SINGLE_PROCESS_RUNS[key] = _losses(out)
     return _SINGLE_PROCESS_RUNS[key]
 
 
@@ -84,7 +92,7 @@ def _single_process(example: str, extra: list[str], tmp_path_factory) -> list[di
 )
 def test_two_processes_train_like_one(name, example, extra, config, port, tmp_path, tmp_path_factory):
     one = _single_process(example, extra, tmp_path_factory)
-    two = _run(example, extra, tmp_path / "two", processes=2, port=port, config=config)
+    two = _run(example, extra, tmp_path / "two", port=port, config=config)
     assert len(one) == len(two) == 3
     for step, (single, double) in enumerate(zip(one, two, strict=True), start=1):
         for key in KEYS[name]:

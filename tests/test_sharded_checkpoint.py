@@ -20,7 +20,7 @@ import pytest
 
 from trlx_scale.reliability import is_complete_checkpoint, latest_complete_checkpoint
 
-from .helpers.launch import REPO_ROOT, kill_process_tree, launch_env
+from .helpers.launch import ACCELERATE_LAUNCH, REPO_ROOT, kill_process_tree, launch_env
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "distributed", "sharded_checkpoint_run.py")
 
@@ -44,6 +44,20 @@ def _run(processes: int, port: int, tmp_path, phase: str, output_dir, *extra) ->
     return json.loads(report.read_text())
 
 
+_STRAIGHT_RUNS: dict[tuple[int, bool], dict] = {}  # (processes, LoRA) -> report: one straight run per world and model
+
+
+def _straight(processes: int, lora: bool, tmp_path_factory) -> dict:
+    """The uninterrupted run's report (``--asynchronous`` only changes how a save is written, and this run saves
+    nothing, so the synchronous and asynchronous tests share it)."""
+    key = (processes, lora)
+    if key not in _STRAIGHT_RUNS:
+        directory = tmp_path_factory.mktemp("straight")
+        extra = ["--lora"] if lora else []
+        _STRAIGHT_RUNS[key] = _run(processes, 29601, directory, "straight", directory / "run", *extra)
+    return _STRAIGHT_RUNS[key]
+
+
 def _close(resumed: dict, straight: dict, steps) -> None:
     for step in steps:
         ours, theirs = resumed["losses"][str(step)], straight["losses"][str(step)]
@@ -55,9 +69,9 @@ def _close(resumed: dict, straight: dict, steps) -> None:
     ("saving", "resuming", "mode", "model"),
     [(2, 1, "sync", "full"), (1, 2, "async", "full"), (2, 1, "async", "lora")],
 )
-def test_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path, saving, resuming, mode, model):
+def test_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path, tmp_path_factory, saving, resuming, mode, model):
     extra = (["--asynchronous"] if mode == "async" else []) + (["--lora"] if model == "lora" else [])
-    straight = _run(saving, 29601, tmp_path, "straight", tmp_path / "straight", *extra)
+    straight = _straight(saving, model == "lora", tmp_path_factory)
     saved = _run(saving, 29603, tmp_path, "save", tmp_path / "run", "--save_at", "2", *extra)
     assert saved["losses"] == straight["losses"]  # saving (in the background too) changes nothing: exact
     checkpoint = tmp_path / "run" / "checkpoint-2"
@@ -74,8 +88,8 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path, saving, re
 
 
 @pytest.mark.slow
-def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_in_use(tmp_path):
-    straight = _run(2, 29611, tmp_path, "straight", tmp_path / "straight")
+def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_in_use(tmp_path, tmp_path_factory):
+    straight = _straight(2, False, tmp_path_factory)
     log = open(tmp_path / "killed.log", "w")  # noqa: SIM115
     command = _command(2, 29613, tmp_path / "unused.json", "save", tmp_path / "run", "--save_at", "1", "2")
     process = subprocess.Popen(
@@ -104,9 +118,8 @@ def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_in_us
 def _deepspeed_run(output_dir, processes: int, port: int, *extra) -> dict:
     """tests/scripts/interrupted_run.py (LoRA GRPO, 4 steps, a checkpoint every 2) under ZeRO-3 (cpu_zero3.yaml)."""
     script = os.path.join(REPO_ROOT, "tests", "scripts", "interrupted_run.py")
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml")
-    command = [accelerate, "launch", "--config_file", config, "--num_processes", str(processes)]
+    command = [*ACCELERATE_LAUNCH, "--config_file", config, "--num_processes", str(processes)]
     command += ["--main_process_port", str(port), script, str(output_dir), "--save_steps", "2", *extra]
     done = subprocess.run(command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]

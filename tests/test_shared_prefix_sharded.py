@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from .helpers.launch import ACCELERATE, LAUNCH_VARIABLES, REPO_ROOT, run_torchrun_report
+from .helpers.launch import ACCELERATE_LAUNCH, LAUNCH_VARIABLES, REPO_ROOT, run_torchrun_report
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "grpo.py")
 
@@ -26,7 +26,7 @@ def _zero3_run(
         env.pop(name, None)
     out = tmp_path / shared_prefix
     config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml")
-    command = [ACCELERATE, "launch", "--config_file", config, "--main_process_port", str(port), EXAMPLE]
+    command = [*ACCELERATE_LAUNCH, "--config_file", config, "--main_process_port", str(port), EXAMPLE]
     # 8 held-out prompts: the accuracy is not what is compared (0 would score the embedded task's whole split).
     command += ["--max_steps", "2", "--eval_size", "8", "--logging_steps", "1", "--output_dir", str(out)]
     command += ["--per_device_train_batch_size", "32", "--shared_prefix", shared_prefix]

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from ..helpers.launch import ACCELERATE, REPO_ROOT, run_command
+from ..helpers.launch import ACCELERATE_LAUNCH, REPO_ROOT, run_command
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,7 +24,7 @@ def _run(tmp_path, out, *extra) -> list[dict]:
 
     config = tmp_path / "fsdp2_1gpu.yaml"
     config.write_text(LaunchPlan(nodes=1, gpus_per_node=1, backend="fsdp2").to_yaml())
-    command = [ACCELERATE, "launch", "--config_file", str(config), "--num_processes", "1"]
+    command = [*ACCELERATE_LAUNCH, "--config_file", str(config), "--num_processes", "1"]
     command += [os.path.join(REPO_ROOT, "examples", "grpo.py"), "--use_vllm", "false", "--max_steps", "4"]
     command += ["--eval_size", "0", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2"]
     command += ["--output_dir", str(out), *extra]

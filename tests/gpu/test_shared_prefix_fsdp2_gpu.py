@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from ..helpers.launch import ACCELERATE, REPO_ROOT, run_command
+from ..helpers.launch import ACCELERATE_LAUNCH, REPO_ROOT, run_command
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,7 +21,7 @@ def _fsdp2_run(tmp_path, shared_prefix: str) -> list[dict]:
     config = tmp_path / "fsdp2_1gpu.yaml"
     config.write_text(LaunchPlan(nodes=1, gpus_per_node=1, backend="fsdp2").to_yaml())
     out = tmp_path / shared_prefix
-    command = [ACCELERATE, "launch", "--config_file", str(config), "--num_processes", "1"]
+    command = [*ACCELERATE_LAUNCH, "--config_file", str(config), "--num_processes", "1"]
     command += [os.path.join(REPO_ROOT, "examples", "grpo.py"), "--use_vllm", "false", "--max_steps", "2"]
     command += ["--eval_size", "0", "--logging_steps", "1", "--per_device_train_batch_size", "32"]
     command += ["--shared_prefix", shared_prefix, "--output_dir", str(out)]

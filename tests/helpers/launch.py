@@ -9,7 +9,11 @@ import subprocess
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")  # the documented command, for its own tests
+# `accelerate launch` itself (accelerate.commands.launch: the same parser and launcher, and what `trlx-scale grpo`
+# runs) without the `accelerate` command's start-up: that command imports every subcommand, and `estimate` imports
+# transformers' model registry, 7 s before it launches anything against 3 s here (measured on this machine's 2 cores).
+ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch")
 
 # torch.distributed variables a colocated engine earlier in this pytest process exported (and whose port that process
 # still holds): a launched example must pick its own, or its process group fails with EADDRINUSE.
