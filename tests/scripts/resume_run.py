@@ -92,16 +92,11 @@ def build(kind: str, output_dir: str, max_steps: int):
     raise ValueError(f"unknown kind {kind!r}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("kind")
-    parser.add_argument("output_dir")
-    parser.add_argument("--max_steps", type=int, default=4)
-    parser.add_argument("--resume", default=None)
-    cli = parser.parse_args()
-    trainer = build(cli.kind, cli.output_dir, cli.max_steps)
-    trainer.train(resume_from_checkpoint=cli.resume)
-    steps = {
+def run(kind: str, output_dir: str, max_steps: int = 4, resume: str | None = None) -> dict:
+    """Train (or resume) ``kind`` and return its logged metrics per step, timings left out."""
+    trainer = build(kind, output_dir, max_steps)
+    trainer.train(resume_from_checkpoint=resume)
+    return {
         str(entry["step"]): {
             k: v
             for k, v in entry.items()
@@ -113,7 +108,16 @@ def main() -> None:
         for entry in trainer.state.log_history
         if "loss" in entry
     }
-    print("RESULT " + json.dumps(steps), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("kind")
+    parser.add_argument("output_dir")
+    parser.add_argument("--max_steps", type=int, default=4)
+    parser.add_argument("--resume", default=None)
+    cli = parser.parse_args()
+    print("RESULT " + json.dumps(run(cli.kind, cli.output_dir, cli.max_steps, cli.resume)), flush=True)
 
 
 if __name__ == "__main__":
