@@ -21,8 +21,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The script itself ships in the package (`trlx-scale async_grpo` runs the same one): trlx_scale.scripts.async_grpo.py.
+from trlx_scale.process_exit import run_then_exit  # noqa: E402
 from trlx_scale.scripts.async_grpo import *  # noqa: E402, F403
 from trlx_scale.scripts.async_grpo import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -22,6 +22,7 @@ import sys
 # Allow `python examples/grpo_tools.py` from a source checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from trlx_scale.process_exit import run_then_exit  # noqa: E402
 from trlx_scale.scripts import grpo  # noqa: E402
 
 
@@ -32,4 +33,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -53,3 +53,6 @@ def main() -> dict:
 if __name__ == "__main__":
     # main() returns first, so the sharded model and its pending collectives are freed while the group is alive.
     finish(main(), sys.argv[1])
+    from trlx_scale.process_exit import exit_process
+
+    exit_process(0)  # without the interpreter's module teardown: trlx_scale/process_exit.py

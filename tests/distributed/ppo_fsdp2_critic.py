@@ -134,3 +134,6 @@ def main(kind: str) -> dict:
 if __name__ == "__main__":
     # main() returns first, so the sharded models and their pending collectives are freed while the group is alive.
     finish(main(sys.argv[1]), sys.argv[2])
+    from trlx_scale.process_exit import exit_process
+
+    exit_process(0)  # without the interpreter's module teardown: trlx_scale/process_exit.py

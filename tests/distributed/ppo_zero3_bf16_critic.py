@@ -55,3 +55,6 @@ def main(output_dir: str) -> None:
 if __name__ == "__main__":
     main(sys.argv[1])
     leave_group()  # after main(): the trainer is unreferenced, so its gloo work is done before the group goes
+    from trlx_scale.process_exit import exit_process
+
+    exit_process(0)  # without the interpreter's module teardown: trlx_scale/process_exit.py

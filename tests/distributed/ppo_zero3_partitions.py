@@ -116,3 +116,6 @@ def main(kind: str, output_dir: str) -> None:
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
     leave_group()  # after main(): the trainers are unreferenced, so their gloo work is done before the group goes
+    from trlx_scale.process_exit import exit_process
+
+    exit_process(0)  # without the interpreter's module teardown: trlx_scale/process_exit.py

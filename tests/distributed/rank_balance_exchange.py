@@ -107,3 +107,6 @@ def main(report_path: str) -> None:
 if __name__ == "__main__":
     main(sys.argv[1])
     leave_group()
+    from trlx_scale.process_exit import exit_process
+
+    exit_process(0)  # without the interpreter's module teardown: trlx_scale/process_exit.py

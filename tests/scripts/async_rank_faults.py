@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from tests.helpers.trainers import small_grpo_config  # noqa: E402
 from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from trlx_scale.process_exit import run_then_exit  # noqa: E402
 from trlx_scale.tasks import addition_dataset, default_model_path, exact_match_reward  # noqa: E402
 
 FAULTS = ("reward_rank1", "producer_rank1", "server_500", "lost_update", "lora_sync", "server_dead")
@@ -150,4 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

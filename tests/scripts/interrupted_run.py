@@ -31,6 +31,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
+from trlx_scale.process_exit import run_then_exit
 from trlx_scale.reliability.checkpoints import resolve_resume_checkpoint
 from trlx_scale.tasks import addition_dataset, default_model_path, exact_match_reward
 from trlx_scale.tasks.example_runtime import cpu_launch_defaults
@@ -216,4 +217,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

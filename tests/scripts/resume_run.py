@@ -15,6 +15,7 @@ import json
 from peft import LoraConfig
 
 from trlx_scale import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from trlx_scale.process_exit import run_then_exit
 from trlx_scale.tasks import addition_dataset, addition_preference_dataset, default_model_path, exact_match_reward
 
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
@@ -121,4 +122,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -21,6 +21,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from trlx_scale.process_exit import run_then_exit
 from trlx_scale.tasks.example_runtime import ROLLOUT_EXAMPLE_DEFAULTS, Example, run_example  # noqa: E402
 
 
@@ -48,4 +49,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

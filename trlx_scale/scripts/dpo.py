@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datasets import load_dataset
 
 from trlx_scale import DPOConfig, DPOTrainer
+from trlx_scale.process_exit import run_then_exit
 from trlx_scale.tasks import addition_dataset, addition_preference_dataset
 from trlx_scale.tasks.example_runtime import Example, TaskScriptArguments, run_example
 
@@ -108,4 +109,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -13,6 +13,7 @@ before and after training. What all examples share is in `trlx_scale.tasks.examp
 from __future__ import annotations
 
 from trlx_scale import GRPOConfig, GRPOTrainer
+from trlx_scale.process_exit import run_then_exit
 from trlx_scale.tasks.example_runtime import ROLLOUT_EXAMPLE_DEFAULTS, Example, run_example
 
 
@@ -29,4 +30,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -15,6 +15,7 @@ match of the greedy completion on held-out prompts, before and after training.
 from __future__ import annotations
 
 from trlx_scale import PPOConfig, PPOTrainer
+from trlx_scale.process_exit import run_then_exit
 from trlx_scale.tasks.example_runtime import ROLLOUT_EXAMPLE_DEFAULTS, Example, run_example
 
 # Tuned on the embedded task (docs/benchmarks.md): 2 mini-batches of 64 x 2 epochs (50 rollouts) gained +2.0 points,
@@ -42,4 +43,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)
