@@ -214,6 +214,21 @@ def test_a_dropped_engine_resets_vllms_process_global_groups_so_it_is_finalized_
     assert "freeze_gc_heap()" in inspect.getsource(EngineCore.__init__)
 
 
+def test_the_in_process_engines_shutdown_finalizer_is_found(vllm_engine):
+    """compat/vllm_engine_finalizers.in_process_engine_finalizer finds the finalizer process_exit skips: the live
+    weakref.finalize that calls the engine core's shutdown. Fails when vLLM moves or changes it (the exit would then
+    run the shutdown again: correct, 2-4 s slower)."""
+    from trlx_scale.compat.vllm_engine_finalizers import in_process_engine_finalizer
+
+    finalizer = in_process_engine_finalizer(vllm_engine)
+    assert finalizer is not None and finalizer.alive
+    client, function, _, _ = finalizer.peek()
+    assert client is vllm_engine.llm_engine.engine_core
+    core = client.engine_core
+    assert function.__func__.__qualname__ == "EngineCore.shutdown" and function.__self__ is core
+    assert in_process_engine_finalizer(object()) is None
+
+
 def test_finalize_dropped_engines_runs_the_finalizer_of_a_frozen_cycle():
     """A trainer's engine sits in reference cycles that vLLM's gc.freeze() hid from the collector: the helper must
     still shut it down, at once."""

@@ -14,8 +14,8 @@ import pytest
 from .helpers.launch import REPO_ROOT
 
 SCRIPT = """
-import atexit, sys, threading, time
-from trlx_scale.process_exit import run_then_exit
+import atexit, sys, threading, time, weakref
+from trlx_scale.process_exit import run_then_exit, skip_at_exit
 
 marks = sys.argv[1]
 
@@ -29,7 +29,14 @@ def late_worker():
     time.sleep(0.3)
     mark("thread")
 
+class Resource:
+    pass
+
+alive = [Resource(), Resource()]
+
 def main():
+    skip_at_exit(weakref.finalize(alive[0], mark, "skipped-finalizer"))  # run by an ordinary exit only
+    weakref.finalize(alive[1], mark, "finalizer")
     threading.Thread(target=late_worker).start()  # non-daemon: joined before the exit handlers
     sys.stdout.write("buffered, no newline")
     {ending}
@@ -65,14 +72,16 @@ def test_the_exit_keeps_the_status_output_threads_and_exit_handlers(tmp_path, en
     assert result.returncode == status, result.stderr[-2000:]
     assert result.stdout == "buffered, no newline"
     assert result.stderr.strip() == stderr
-    assert marks == ["thread", "atexit"]  # the thread ended before the handlers ran, as in an ordinary exit
+    # The thread ended before the handlers ran, the finalizers' handler (registered last) ran first, as in an
+    # ordinary exit; the finalizer handed to skip_at_exit did not run.
+    assert marks == ["thread", "finalizer", "atexit"]
 
 
 def test_an_exception_takes_the_ordinary_exit(tmp_path):
     result, marks = _run(tmp_path, "raise ValueError('bad reward column')")
     assert result.returncode == 1
     assert "ValueError: bad reward column" in result.stderr and "Traceback" in result.stderr
-    assert marks == ["thread", "atexit"]
+    assert marks == ["thread", "finalizer", "skipped-finalizer", "atexit"]  # skip_at_exit is exit_process's alone
 
 
 def test_the_interpreter_still_has_the_hook_the_exit_runs():

@@ -8,9 +8,11 @@ trainers, 4.3 s saved on one step of examples/ppo.py, 7-12 s while the machine w
 on every rank.
 
 ``exit_process`` does every part of an interpreter exit that has an effect outside the process, in the same order:
-it waits for the non-daemon threads, runs the ``atexit`` handlers (logging's flush, multiprocessing's children, the
-vLLM engine's shutdown, temporary directories, an asynchronous trainer's server), flushes stdout and stderr, and then
-leaves with ``os._exit``, as multiprocessing's own child processes do. Only the teardown of the modules is skipped.
+it waits for the non-daemon threads, runs the ``atexit`` handlers (logging's flush, multiprocessing's children,
+temporary directories, an asynchronous trainer's server), flushes stdout and stderr, and then leaves with
+``os._exit``, as multiprocessing's own child processes do. Skipped: the teardown of the modules, and the finalizers
+handed to ``skip_at_exit``, whose work stays inside the process (the colocated vLLM engine's shutdown frees its memory
+and resets vLLM's process-global groups: 2-4 s of garbage collection, compat/vllm_engine_finalizers.py).
 
 Why not ``gc.freeze()`` at exit instead (the collections would skip the frozen heap): the objects it keeps include
 Triton's nanobind bindings (imported through vLLM's structured outputs), whose leak check then prints some hundred
@@ -26,8 +28,19 @@ import atexit
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import NoReturn
+
+# Finalizers whose work only matters to a process that goes on (see skip_at_exit). A finalizer holds its object
+# only weakly, and one that has run is dead and dropped at the next registration.
+_SKIPPED_AT_EXIT: list[weakref.finalize] = []
+
+
+def skip_at_exit(finalizer: weakref.finalize) -> None:
+    """Let ``exit_process`` leave without calling ``finalizer`` (an ordinary exit still calls it)."""
+    _SKIPPED_AT_EXIT[:] = [kept for kept in _SKIPPED_AT_EXIT if kept.alive]
+    _SKIPPED_AT_EXIT.append(finalizer)
 
 
 def exit_process(code: int = 0) -> NoReturn:
@@ -38,6 +51,8 @@ def exit_process(code: int = 0) -> NoReturn:
     for thread in threading.enumerate():  # the interpreter joins these before its exit handlers
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
+    for finalizer in _SKIPPED_AT_EXIT:
+        finalizer.atexit = False  # weakref.finalize's own switch: not called at exit, and never after it
     run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
         try:

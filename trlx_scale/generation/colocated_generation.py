@@ -37,9 +37,10 @@ from trl.generation.vllm_generation import VLLMGeneration
 from trl.import_utils import is_vllm_available
 from trl.trainer.utils import ensure_master_addr_port
 
-from ..compat.vllm_engine_finalizers import finalize_dropped_engines
+from ..compat.vllm_engine_finalizers import finalize_dropped_engines, in_process_engine_finalizer
 from ..compat.vllm_weight_reload import tied_weight_aliases, with_tied_aliases
 from ..peft_models import is_peft_model
+from ..process_exit import skip_at_exit
 from ..profiling.phase_timer import PhaseTimer
 from ..reliability.input_checks import check_prompts_fit_context
 from .cpu_environment import running_on_cpu_only
@@ -201,6 +202,9 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         self._join_tensor_parallel_group()
         self._export_launcher_environment()
         engine = LLM(**self.llm_kwargs())
+        shutdown = in_process_engine_finalizer(engine)
+        if shutdown is not None:  # a process leaving through process_exit need not tidy its own memory (2-4 s)
+            skip_at_exit(shutdown)
         self.llm = GroupedLLM(engine)
         self.transport = InProcessTransport(self.llm)
         self.lifecycle = EngineLifecycle(
