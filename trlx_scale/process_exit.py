@@ -8,11 +8,13 @@ trainers, 4.3 s saved on one step of examples/ppo.py, 7-12 s while the machine w
 on every rank.
 
 ``exit_process`` does every part of an interpreter exit that has an effect outside the process, in the same order:
-it waits for the non-daemon threads, runs the ``atexit`` handlers (logging's flush, multiprocessing's children,
-temporary directories, an asynchronous trainer's server), flushes stdout and stderr, and then leaves with
-``os._exit``, as multiprocessing's own child processes do. Skipped: the teardown of the modules, and the finalizers
-handed to ``skip_at_exit``, whose work stays inside the process (the colocated vLLM engine's shutdown frees its memory
-and resets vLLM's process-global groups: 2-4 s of garbage collection, compat/vllm_engine_finalizers.py).
+threading's exit callbacks and the join of the non-daemon threads (a ThreadPoolExecutor's workers, an asynchronous
+checkpoint's writer), the ``atexit`` handlers (logging's flush, multiprocessing's children, temporary directories, an
+asynchronous trainer's server), the flush of stdout, stderr and C's stdio buffers, and then leaves with ``os._exit``,
+as multiprocessing's own child processes do. Skipped: the teardown of the modules, and the finalizers handed to
+``skip_at_exit``, whose work stays inside the process (the colocated vLLM engine's shutdown frees its memory and
+resets vLLM's process-global groups: 2-4 s of garbage collection, compat/vllm_engine_finalizers.py). What a script
+leaves to the teardown alone is lost: a file it opened and never closed keeps its unwritten bytes.
 
 Why not ``gc.freeze()`` at exit instead (the collections would skip the frozen heap): the objects it keeps include
 Triton's nanobind bindings (imported through vLLM's structured outputs), whose leak check then prints some hundred
@@ -25,6 +27,7 @@ can do the same. A script that ends without it is unchanged, only slower to exit
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import sys
 import threading
@@ -45,12 +48,14 @@ def skip_at_exit(finalizer: weakref.finalize) -> None:
 
 def exit_process(code: int = 0) -> NoReturn:
     """Leave the process with exit status ``code`` after everything an interpreter exit does outside the process."""
+    # The interpreter's own first two steps, in its order: threading's exit callbacks (a ThreadPoolExecutor's tell
+    # its idle workers to stop) and the join of the non-daemon threads, then the atexit handlers. Both are CPython's,
+    # undocumented; without either, the ordinary exit (tests/test_process_exit.py pins them).
+    shut_threads_down = getattr(threading, "_shutdown", None)
     run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
-    if run_exit_handlers is None:  # an interpreter without it: the ordinary exit (tests/test_process_exit.py)
+    if shut_threads_down is None or run_exit_handlers is None:
         sys.exit(code)
-    for thread in threading.enumerate():  # the interpreter joins these before its exit handlers
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    shut_threads_down()
     for finalizer in _SKIPPED_AT_EXIT:
         finalizer.atexit = False  # weakref.finalize's own switch: not called at exit, and never after it
     run_exit_handlers()
@@ -59,7 +64,16 @@ def exit_process(code: int = 0) -> NoReturn:
             stream.flush()
         except (AttributeError, OSError, ValueError):  # closed or replaced by something without flush()
             pass
+    _flush_c_streams()
     os._exit(code)
+
+
+def _flush_c_streams() -> None:
+    """What C and C++ libraries wrote through stdio and left in its buffers (exit() flushes them; os._exit does not)."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (AttributeError, OSError):  # no C library to ask: nothing of ours is buffered there
+        pass
 
 
 def _exit_status(stop: SystemExit) -> int:
