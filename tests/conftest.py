@@ -9,6 +9,10 @@ import os
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No telemetry from the suite (TRL reports every trainer it builds, vLLM its engines): a test machine has no route to
+# the Hub, and each report is a DNS lookup and a connection attempt, from this process and every one it launches.
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -62,7 +66,7 @@ def grpo_example_three_steps(tmp_path_factory):
     single = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     example = os.path.join(REPO_ROOT, "examples", "grpo.py")
     arguments = [example, "--max_steps", "3", "--eval_size", "40", "--output_dir", str(out)]
-    return out, run_command([*ACCELERATE_LAUNCH, *single, *arguments], timeout=1200).stdout
+    return out, run_command([*ACCELERATE_LAUNCH, *single, *arguments], timeout=800).stdout
 
 
 @pytest.fixture()

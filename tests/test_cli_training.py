@@ -201,7 +201,7 @@ def test_trl_documented_command_runs_with_trl_replaced_by_trlx_scale(tmp_path):
     command += ["--accelerate_config", "cpu_zero3", "--main_process_port", "29641"]
     command += ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4"]
     command += ["--max_completion_length", "6", "--output_dir", str(out), "--logging_steps", "1"]
-    result = _run(command, cwd=str(tmp_path), timeout=1200)
+    result = _run(command, cwd=str(tmp_path), timeout=800)
     summary = read_run_summary(out)
     assert summary["steps"] == 2 and summary["world_size"] == 2
     assert "rewards/accuracy_reward/mean" in result.stdout  # TRL's own reward function scored the samples

@@ -37,7 +37,7 @@ def test_example_two_processes_through_accelerate_launch(tmp_path):
     result = run_command(
         [ACCELERATE, "launch", "--config_file", config, "--num_processes", "2", EXAMPLE]
         + ["--max_steps", "3", "--eval_size", "40", "--output_dir", str(out), "--optim_preset", "grpo_lora"],
-        timeout=1200,
+        timeout=800,
     )
     summary = read_run_summary(out)
     assert summary["world_size"] == 2 and summary["steps"] == 3
@@ -64,7 +64,7 @@ def test_example_under_deepspeed_zero3_syncs_gathered_weights(tmp_path, use_peft
         + ["--max_steps", "2", "--eval_size", "40", "--output_dir", str(out), "--logging_steps", "1"]
         + ["--use_peft", use_peft, "--learning_rate", "1e-4", "--vllm_sync_bucket_mb", "1"]
         + ["--vllm_sync_mode", "lora" if use_peft == "true" else "auto"],
-        timeout=1200,
+        timeout=800,
     )
     summary = read_run_summary(out)
     assert summary["world_size"] == 2 and summary["steps"] == 2
@@ -77,7 +77,7 @@ def test_default_run_improves_held_out_accuracy_as_much_as_the_readme_claims(tmp
     """The README's main job, as `make run` launches it: held-out accuracy must rise at least by the floor the README
     states, the README's printed summary must be above that floor too, and the run records an accuracy curve."""
     out = tmp_path / "learn"
-    result = run_command([*ACCELERATE_LAUNCH, "--num_processes", "1", EXAMPLE, "--output_dir", str(out)], timeout=1800)
+    result = run_command([*ACCELERATE_LAUNCH, "--num_processes", "1", EXAMPLE, "--output_dir", str(out)], timeout=800)
     summary = read_run_summary(out)
     gain = 100 * (summary["accuracy_after"] - summary["accuracy_before"])
     with open(os.path.join(REPO_ROOT, "README.md")) as handle:

@@ -124,16 +124,21 @@ def _check_step_metrics(trainer, phases: set[str]):
     """The metrics every trainer logs: phases that cover the step, throughput, MFU, a cheap profiler."""
     entries = [e for e in trainer.state.log_history if "time/step" in e]
     assert len(entries) == trainer.state.global_step
-    for entry in entries[1:]:  # the first step carries the engine's warm-up
+    timed = entries[1:]  # the first step carries the engine's warm-up
+    for entry in timed:
         step = entry["time/step"]
         named = sum(entry.get(f"time/{p}", 0.0) for p in PHASES if p not in ("other", "ref_scoring"))
-        # The named phases cover the step; "other" (logging, the data loader, the scheduler) is the rest. These
-        # steps last 0.05-0.3 s, where the ~5 ms of logging and collation per step (more on a loaded machine) weigh more than on real steps
-        # (docs/benchmarks.md: "other" on the GRPO step benchmark).
+        # The named phases and "other" (logging, the data loader, the scheduler) add up to the step.
         assert named == pytest.approx(step - entry["time/other"], rel=1e-6)
-        assert entry["time/other"] < max(0.1 * step, 0.05), entry
-        assert entry["time/profiler_fraction"] < 0.01, entry
         assert 0 < entry["perf/mfu"] < 1
+    # The named phases cover the step, and the profiler costs next to nothing. A phase left untimed, or a costly
+    # profiler, weighs on every step; a garbage collection or a descheduled process on a loaded machine weighs on one
+    # (a full run once saw one such step). So the least disturbed step is the one held to the bound. These steps last
+    # 0.05-0.3 s, where the ~5 ms of logging and collation per step weigh more than on real steps (docs/benchmarks.md:
+    # "other" on the GRPO step benchmark).
+    calmest = min(timed, key=lambda entry: entry["time/other"] / entry["time/step"])
+    assert calmest["time/other"] < max(0.1 * calmest["time/step"], 0.05), timed
+    assert min(entry["time/profiler_fraction"] for entry in timed) < 0.01, timed
     seen = {key.removeprefix("time/") for e in entries for key in e if key.startswith("time/")}
     assert phases <= seen, seen
     assert all(e["throughput/trained_tokens_per_s"] > 0 for e in entries)
