@@ -13,6 +13,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the Hub, and each report is a DNS lookup and a connection attempt, from this process and every one it launches.
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+# vLLM's sampler wraps one helper in torch.compile (logprobs.batched_count_greater_than, the sampled token's rank):
+# every process that generates with log-probs pays 2-3.5 s for it at its first generation on CPU, even with the compiled
+# code cached (torch's vector-ISA probes and the cache key), about 4 minutes over the suite's launched runs. The helper
+# counts integers, so eager gives the same values. The runs that check a user's path exactly (the README's main job,
+# the installed wheel) take it out again: helpers.launch.SUITE_ONLY_VARIABLES.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

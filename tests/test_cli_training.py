@@ -243,7 +243,7 @@ def test_the_built_wheel_works_from_outside_the_source_tree(tmp_path):
         handle.write(sysconfig.get_paths()["purelib"] + "\n")
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    env = dict(launch_env(), PATH=f"{env_dir / 'bin'}:{os.environ['PATH']}", PYTHONNOUSERSITE="1")
+    env = dict(launch_env(as_a_user=True), PATH=f"{env_dir / 'bin'}:{os.environ['PATH']}", PYTHONNOUSERSITE="1")
     located = _run([python, "-c", "import trlx_scale; print(trlx_scale.__file__)"], str(outside), 120, env)
     assert located.stdout.strip().startswith(site), located.stdout
     cli = str(env_dir / "bin" / "trlx-scale")  # the wheel's console script

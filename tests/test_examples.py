@@ -77,7 +77,8 @@ def test_default_run_improves_held_out_accuracy_as_much_as_the_readme_claims(tmp
     """The README's main job, as `make run` launches it: held-out accuracy must rise at least by the floor the README
     states, the README's printed summary must be above that floor too, and the run records an accuracy curve."""
     out = tmp_path / "learn"
-    result = run_command([*ACCELERATE_LAUNCH, "--num_processes", "1", EXAMPLE, "--output_dir", str(out)], timeout=800)
+    command = [*ACCELERATE_LAUNCH, "--num_processes", "1", EXAMPLE, "--output_dir", str(out)]
+    result = run_command(command, timeout=800, as_a_user=True)
     summary = read_run_summary(out)
     gain = 100 * (summary["accuracy_after"] - summary["accuracy_before"])
     with open(os.path.join(REPO_ROOT, "README.md")) as handle:

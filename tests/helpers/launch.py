@@ -19,19 +19,24 @@ ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch")
 # still holds): a launched example must pick its own, or its process group fails with EADDRINUSE.
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
+# What tests/conftest.py sets for the suite's speed alone (see there); a run that stands for a user's own leaves it out.
+SUITE_ONLY_VARIABLES = ("TORCH_COMPILE_DISABLE",)
 
-def launch_env() -> dict:
-    """This process's environment without the torch.distributed variables (see LAUNCH_VARIABLES), for a child run."""
+
+def launch_env(as_a_user: bool = False) -> dict:
+    """This process's environment without the torch.distributed variables (see LAUNCH_VARIABLES), for a child run;
+    ``as_a_user``: without the suite's own settings either (SUITE_ONLY_VARIABLES)."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    for name in LAUNCH_VARIABLES:
+    for name in (*LAUNCH_VARIABLES, *(SUITE_ONLY_VARIABLES if as_a_user else ())):
         env.pop(name, None)
     return env
 
 
-def run_command(command: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run a command from the repository root with a clean torch.distributed environment; fail with its output."""
+def run_command(command: list[str], timeout: float, as_a_user: bool = False) -> subprocess.CompletedProcess:
+    """Run a command from the repository root with a clean torch.distributed environment; fail with its output.
+    ``as_a_user``: without the suite's own settings (SUITE_ONLY_VARIABLES), as a user's shell runs it."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    for name in LAUNCH_VARIABLES:
+    for name in (*LAUNCH_VARIABLES, *(SUITE_ONLY_VARIABLES if as_a_user else ())):
         env.pop(name, None)
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
