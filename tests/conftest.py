@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 # vLLM's sampler wraps one helper in torch.compile (logprobs.batched_count_greater_than, the sampled token's rank):
 # every process that generates with log-probs pays 2-3.5 s for it at its first generation on CPU, even with the compiled
-# code cached (torch's vector-ISA probes and the cache key), about 4 minutes over the suite's launched runs. The helper
+# code cached (torch's vector-ISA probes and the cache key): 46 minutes of tests became 38 on a fresh clone. The helper
 # counts integers, so eager gives the same values. Only the processes the suite launches run without torch.compile:
 # torch reads the variable when torch._dynamo.config is first imported, so this process reads it first and keeps
 # compiling (its own tests use what needs it: flex_attention on CPU). The runs that check a user's path exactly (the

@@ -35,9 +35,7 @@ def launch_env(as_a_user: bool = False) -> dict:
 def run_command(command: list[str], timeout: float, as_a_user: bool = False) -> subprocess.CompletedProcess:
     """Run a command from the repository root with a clean torch.distributed environment; fail with its output.
     ``as_a_user``: without the suite's own settings (SUITE_ONLY_VARIABLES), as a user's shell runs it."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    for name in (*LAUNCH_VARIABLES, *(SUITE_ONLY_VARIABLES if as_a_user else ())):
-        env.pop(name, None)
+    env = dict(launch_env(as_a_user), VLLM_CPU_KVCACHE_SPACE="1")
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     return result
