@@ -213,6 +213,50 @@ def test_online_round_builds_valid_pairs_from_the_policy_and_trains(default_mode
     assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
 
 
+class _SmallestTokenSumPreferred(DPOTrainer):
+    """A subclass that ranks by the collector's reward seam: the completion whose token ids sum lowest wins."""
+
+    def _rollout_rewards(self, rows, prompts, samples):
+        super()._rollout_rewards(rows, prompts, samples)  # the scorer still runs (and gathers)
+        sums = torch.tensor([float(sum(ids)) for ids in samples.completion_ids])
+        return -self.accelerator.gather(sums)[:, None]
+
+
+def test_online_rounds_sample_and_score_through_the_rollout_collector(default_model_dir, tmp_path):
+    """Online DPO's samples and rewards are the rollout collector's stages (``sample_and_score``): the samples carry
+    the engine's log-probs of every sampled token and the policy version, and a subclass's ``_rollout_rewards`` (the
+    seam GRPOTrainer has too) decides the pairs."""
+    from trlx_scale.rollout.collector import RolloutCollector
+
+    args = _args(
+        DPOConfig,
+        tmp_path,
+        online=True,
+        online_num_generations=4,
+        online_max_completion_length=8,
+        online_temperature=1.5,  # different completions in a group
+        vllm_dtype="float32",
+        max_steps=1,
+    )
+    trainer = _SmallestTokenSumPreferred(
+        model=default_model_dir,
+        args=args,
+        train_dataset=addition_dataset("train", size=16),
+        reward_funcs=[exact_match_reward],
+    )
+    examples = [trainer.train_dataset[i] for i in range(8)]
+    rows = [dict(example) for example in examples for _ in range(4)]
+    scored = RolloutCollector(trainer).sample_and_score(rows, trainer.policy_version)
+    assert scored.policy_version == trainer.policy_version
+    assert scored.rewards_per_func.shape == (32, 1)
+    for ids, logps in zip(scored.samples.completion_ids, scored.samples.sampling_logps, strict=True):
+        assert len(logps) == len(ids) and all(math.isfinite(x) and x <= 0 for x in logps)
+    pairs = trainer._online_round(examples)
+    assert pairs, "at temperature 1.5 some group has different completions"
+    for pair in pairs:
+        assert sum(pair["chosen_ids"]) < sum(pair["rejected_ids"])
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

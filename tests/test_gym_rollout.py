@@ -91,3 +91,18 @@ def test_gym_rollout_with_tools_is_refused(tmp_path, default_model_dir, default_
             tools=[len],
             rollout_func=GymRollout(AskAgain),
         )
+
+
+def test_gym_rollout_on_rows_with_images_is_refused(tmp_path, default_model_dir, default_tokenizer):
+    """Rows with images take TRL's own rollout, whose rollout_func gets the prompts without their rows; GymRollout's
+    episodes are text and would drop the images: refused by name before anything is sampled."""
+    trainer = GRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=count_messages,
+        args=small_grpo_config(tmp_path),
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=default_tokenizer,
+        rollout_func=GymRollout(AskAgain),
+    )
+    with pytest.raises(ValueError, match="runs text episodes, and this batch has images"):
+        trainer._generate_and_score_completions([{**ROWS[0], "image": None}])

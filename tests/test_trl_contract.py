@@ -456,3 +456,61 @@ def test_trl_still_keeps_its_environments_and_tools_as_the_collector_prepares_th
     assert "self._batch_environments" in driver and "self._env_tools" in driver
     assert "self._sync_tool_dicts[idx_with_tool]" in inspect.getsource(trl.GRPOTrainer._tool_call_loop)
     assert "self.environments" in inspect.getsource(trl.GRPOTrainer._calculate_rewards)
+
+
+class _EngineReturningServedIds:
+    """Stands where TRL expects its vLLM engine: returns completion ids carrying groups, as the server engine does."""
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    def sync_weights(self):
+        pass
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        from trlx_scale.rollout.carried_values import ServedCompletionIds
+
+        ids = ServedCompletionIds([[5, 6]] * len(prompts), self.groups)
+        return list(prompts), ids, [[[-0.5], [-0.25]]] * len(prompts), None
+
+
+def test_trls_generation_driver_passes_the_carried_values_through(default_model_dir, tmp_path):
+    """rollout/carried_values.py: TRL's own ``_generate`` (and its vLLM ``_generate_single_turn``) hands a
+    ``rollout_func`` the prompt list with its rows (a deep copy of it), and returns the engine's completion-id list,
+    or the rollout_func's, as it got it. The rollout collector's rows and the server engine's groups ride there."""
+    from trl import GRPOConfig as TRLGRPOConfig
+
+    from trlx_scale.rollout.carried_values import RolloutPrompts, ServedCompletionIds, groups_of, rows_of
+    from trlx_scale.tasks import addition_dataset
+
+    from .helpers.trainers import small_grpo_config
+
+    trainer = trl.GRPOTrainer(
+        model=default_model_dir,
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=small_grpo_config(tmp_path, TRLGRPOConfig),
+        train_dataset=addition_dataset("train", size=8),
+    )
+    groups = [object(), object()]
+    trainer.use_vllm, trainer.vllm_generation = True, _EngineReturningServedIds(groups)
+    trainer._last_loaded_step = -1  # TRL sets it where it builds its own engine
+    completion_ids = trainer._generate(["1+1=", "2+2="])[1]
+    assert groups_of(completion_ids, "TRL's _generate") is groups
+
+    seen = []
+
+    def rollout_func(prompts, trainer):
+        seen.append(rows_of(prompts))
+        return {
+            "prompt_ids": [[1]] * len(prompts),
+            "completion_ids": ServedCompletionIds([[5, 6]] * len(prompts), groups),
+            "logprobs": [[-0.5, -0.25]] * len(prompts),
+        }
+
+    trainer.rollout_func = rollout_func
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    completion_ids = trainer._generate(RolloutPrompts([row["prompt"] for row in rows], rows))[1]
+    assert seen == [rows]
+    assert groups_of(completion_ids, "TRL's _generate") is groups
+    with pytest.raises(RuntimeError, match="without the server engine's groups"):
+        groups_of([[5, 6]], "a driver that rebuilds the list")

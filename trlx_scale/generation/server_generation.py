@@ -13,8 +13,9 @@
    carries the tag of weights that did not sample it (``full_weight_reload="drain"``), or keeps them in flight at
    the servers, which tag every token with the version that sampled it (``"keep"``).
 2. Completions (``generate``): TRL's call for a rollout takes the producer's next groups, checks that their prompts
-   are the ones TRL tokenized, and returns them in TRL's shape. The groups stay available (``last_groups``) for the
-   rewards the producer computed. An evaluation rollout's prompts are sampled at once instead, by the version
+   are the ones TRL tokenized, and returns them in TRL's shape, the groups riding on the completion-id list
+   (``rollout.carried_values.ServedCompletionIds``) to the trainer's sampling stage, for the rewards, policy versions
+   and tool trajectories the producer computed. An evaluation rollout's prompts are sampled at once instead, by the version
    served, seeded as the colocated engine seeds them.
 
 Gathering weights is a collective under ZeRO-3, so every rank runs ``ensure_version``; the main process alone
@@ -41,6 +42,7 @@ from ..compat.vllm_cpu_lora_scoring import lora_breaks_prompt_logprobs
 from ..profiling.phase_timer import PhaseTimer
 from ..reliability.rank_agreement import failing_together
 from ..rollout.async_producer import GroupRequest, RolloutProducer, ScoredGroup
+from ..rollout.carried_values import ServedCompletionIds
 from ..rollout.staleness import StalenessSchedule
 from .cpu_environment import running_on_cpu_only
 from .rollout_seeds import RolloutSeedContext, request_seed
@@ -98,7 +100,6 @@ class ServerGeneration:
         self.served_version: int | None = None
         self.phase_timer = PhaseTimer(enabled=False)
         self.excluded_parameter_prefixes: tuple[str, ...] = ()
-        self.last_groups: list[ScoredGroup] = []
         self._last_probe: torch.Tensor | None = None  # the trainer's probe log-probs of the last delivered version
         self._metrics: dict[str, float] = {}
         self._seed_context: RolloutSeedContext | None = None
@@ -249,13 +250,13 @@ class ServerGeneration:
         if self._seed_context is not None and self._seed_context.mode == "eval":
             return self._generate_for_evaluation(prompts, num_generations)
         groups = self.take_groups(len(prompts) // num_generations, prompts[::num_generations])
-        completion_ids = [ids for group in groups for ids in group.sampled.completion_ids]
+        completion_ids = ServedCompletionIds([ids for group in groups for ids in group.sampled.completion_ids], groups)
         logprobs = [[[value] for value in values] for group in groups for values in group.sampled.logprobs]
         return list(prompts), completion_ids, logprobs, None
 
-    def take_groups(self, count: int, prompt_ids: list[list[int]] | None = None) -> list:
-        """The producer's next ``count`` scored groups (the same error on every rank if any rank fails), kept as
-        ``last_groups``; ``prompt_ids``: the trainer's tokenization of each group's prompt, checked against the
+    def take_groups(self, count: int, prompt_ids: list[list[int]] | None = None) -> list[ScoredGroup]:
+        """The producer's next ``count`` scored groups (the same error on every rank if any rank fails);
+        ``prompt_ids``: the trainer's tokenization of each group's prompt, checked against the
         producer's (None: the rollout renders its own prompts, a ``GymRollout``)."""
         with failing_together(self.accelerator, "taking this step's rollout groups"):
             groups = self.producer.take(count, timeout=self.request_timeout)
@@ -266,7 +267,6 @@ class ServerGeneration:
                         f"tokenized ({len(group.sampled.prompt_ids)} vs {len(row)} tokens). The chat template or "
                         "the tokenizer settings differ between the two."
                     )
-        self.last_groups = groups
         for name, value in self.producer.pop_metrics().items():
             self._metrics[name] = value
         return groups
@@ -287,7 +287,6 @@ class ServerGeneration:
         ]
         with failing_together(self.accelerator, "sampling the evaluation prompts on the servers"):
             groups = self.producer.sample_now(requests, timeout=self.request_timeout)
-        self.last_groups = []  # nothing of the producer's was taken: the rewards are scored by TRL
         completion_ids = [ids for group in groups for ids in group.completion_ids]
         logprobs = [[[value] for value in values] for group in groups for values in group.logprobs]
         return list(prompts), completion_ids, logprobs, None

@@ -1,7 +1,10 @@
 """``RolloutCollector``: one rollout of a process, from its dataset rows to its ``RolloutBatch``.
 
-Every trlx_scale RL trainer (``GRPOTrainer``, ``PPOTrainer``, ``AsyncGRPOTrainer``) collects its rollouts here; online
-DPO's pairs come from the same engine and reward scorer (``trainer/online_dpo_mixin.py``). In order:
+Every trlx_scale RL trainer (``GRPOTrainer``, ``PPOTrainer``, ``AsyncGRPOTrainer``) collects its rollouts here
+(``collect``), and online DPO its samples and their rewards (``sample_and_score``: stages 1, 2 and 5, from which
+``trainer/online_dpo_mixin.py`` builds its preference pairs). Each trainer supplies the stages that depend on its
+engine (``RolloutSource``: the prompts, the engine's samples, the scorer's rewards); the collector runs them in one
+order for all. In order:
 
 1. prompts: the rows' prompts; with ``environment_factory`` each row's environment drawn from TRL's pool and reset
    (at once, or one after another under ``tool_scheduling="lockstep"``), its observation appended to the prompt
@@ -39,7 +42,7 @@ the next as arguments, not trainer attributes. TRL's own per-batch state that it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from accelerate.utils import gather_object
@@ -89,14 +92,60 @@ class RolloutSamples:
     token_policy_versions: list[list[int]] | None = None
 
 
+@dataclass
+class ScoredSamples:
+    """What ``RolloutCollector.sample_and_score`` returns: the rollout's prompts and samples, and every process's
+    rewards per function ``rewards_per_func`` (B_all, F: rows of process 0 first, as TRL gathers them), tagged with
+    the policy version the engine served."""
+
+    prompts: list
+    samples: RolloutSamples
+    rewards_per_func: torch.Tensor
+    policy_version: int
+    process_index: int = 0
+
+    @property
+    def local_rewards_per_func(self) -> torch.Tensor:
+        """This process's rows of ``rewards_per_func``."""
+        rows = len(self.samples.completion_ids)
+        return self.rewards_per_func[self.process_index * rows : (self.process_index + 1) * rows]
+
+
+class RolloutSource(Protocol):
+    """The stages a trainer supplies to the collector (each trainer samples on its own engine and scores with the
+    package's scorer): its rows' prompts, the engine's samples, and every process's rewards of them."""
+
+    accelerator: Any  # the run's Accelerator (the process index tags the scored samples)
+
+    def _rollout_prompts(self, rows: list[dict[str, Any]]) -> list: ...
+
+    def _sample_rollout(self, prompts: list, rows: list[dict[str, Any]]) -> RolloutSamples: ...
+
+    def _rollout_rewards(self, rows: list[dict[str, Any]], prompts: list, samples: RolloutSamples) -> torch.Tensor: ...
+
+
 class RolloutCollector:
-    """Collects one rollout for ``trainer`` (a trlx_scale ``GRPOTrainer`` or subclass); see the module docstring.
+    """Collects one rollout for ``trainer``; see the module docstring. ``collect`` (every stage) needs a trlx_scale
+    ``GRPOTrainer`` or subclass; ``sample_and_score`` needs only the ``RolloutSource`` stages (online DPO).
 
     Built per rollout and dropped after it (it holds the trainer; a trainer -> collector -> trainer cycle would leave
     a finished trainer's engine to the cyclic garbage collector)."""
 
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: RolloutSource):
         self.trainer = trainer
+
+    def sample_and_score(self, rows: list[dict[str, Any]], policy_version: int) -> ScoredSamples:
+        """Stages 1, 2 and 5 only: the samples of ``rows`` and their rewards, for an algorithm that builds its own
+        training examples from them (online DPO's preference pairs) instead of a policy-gradient batch."""
+        prompts, samples = self._sample(rows)
+        rewards_per_func = self._score(rows, prompts, samples)
+        return ScoredSamples(
+            prompts=prompts,
+            samples=samples,
+            rewards_per_func=rewards_per_func,
+            policy_version=policy_version,
+            process_index=self.trainer.accelerator.process_index,
+        )
 
     def collect(self, rows: list[dict[str, Any]], policy_version: int) -> RolloutBatch:
         """The rollout of ``rows`` (this process's dataset rows, each group's ``num_generations`` copies together);
@@ -104,13 +153,7 @@ class RolloutCollector:
         trainer = self.trainer
         device = trainer.accelerator.device
         mode = "train" if trainer.model.training else "eval"
-        prompts = trainer._rollout_prompts(rows)
-        samples: RolloutSamples = trainer._sample_rollout(prompts, rows)
-        if samples.images is not None:
-            raise RuntimeError(
-                "the rollout collector got image inputs back from generation; rollouts with images run through TRL's "
-                "_generate_and_score_completions (GRPOTrainer routes them there)."
-            )
+        prompts, samples = self._sample(rows)
         completions, completion_ids_list = samples.completions, samples.completion_ids
         tensors = self._padded(
             samples.prompt_ids, completion_ids_list, samples.sampling_logps, samples.tool_mask, device
@@ -119,14 +162,7 @@ class RolloutCollector:
         num_items_in_batch = trainer.accelerator.gather(loss_mask.sum()).sum()
         old_logps, ratio, ref_logps = self._policy_passes(tensors, loss_mask, mode)
 
-        # A rollout_func's extra fields join the rows (its reward functions read them as columns, as under TRL).
-        for index, row in enumerate(rows):
-            for key, values in samples.extra_fields.items():
-                if not isinstance(values, list):
-                    row[key] = values
-                elif index < len(values):
-                    row[key] = values[index]
-        rewards_per_func = trainer._rollout_rewards(rows, prompts, samples)
+        rewards_per_func = self._score(rows, prompts, samples)
         num_generations = trainer.num_generations if mode == "train" else trainer.num_generations_eval
         scored = group_advantages(
             rewards_per_func,
@@ -170,6 +206,30 @@ class RolloutCollector:
             rows=rows,
             _key_order=[key for key in TRL_KEY_ORDER if present.get(key) is not None],
         )
+
+    # ---------------------------------------------------------------- stages 1 and 2: prompts, samples
+    def _sample(self, rows: list[dict[str, Any]]) -> tuple[list, RolloutSamples]:
+        trainer = self.trainer
+        prompts = trainer._rollout_prompts(rows)
+        samples: RolloutSamples = trainer._sample_rollout(prompts, rows)
+        if samples.images is not None:
+            raise RuntimeError(
+                "the rollout collector got image inputs back from generation; rollouts with images run through TRL's "
+                "_generate_and_score_completions (GRPOTrainer routes them there)."
+            )
+        return prompts, samples
+
+    # ---------------------------------------------------------------- stage 5: rewards
+    def _score(self, rows: list[dict[str, Any]], prompts: list, samples: RolloutSamples) -> torch.Tensor:
+        """(B_all, F): every process's rewards per function (the trainer's ``_rollout_rewards``)."""
+        # A rollout_func's extra fields join the rows (its reward functions read them as columns, as under TRL).
+        for index, row in enumerate(rows):
+            for key, values in samples.extra_fields.items():
+                if not isinstance(values, list):
+                    row[key] = values
+                elif index < len(values):
+                    row[key] = values[index]
+        return self.trainer._rollout_rewards(rows, prompts, samples)
 
     @staticmethod
     def _token_versions(samples: RolloutSamples, versions, completion_ids: torch.Tensor) -> torch.Tensor | None:

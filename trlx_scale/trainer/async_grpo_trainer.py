@@ -51,6 +51,7 @@ from accelerate.utils import gather
 from ..agents.gym_rollout import GymRollout
 from ..generation.server_generation import ServerGeneration
 from ..rollout.batch import RolloutBatch
+from ..rollout.carried_values import groups_of
 from ..rollout.collector import RolloutSamples
 from ..rollout.policy_version import RolloutPolicyVersions
 from ..rollout.prompt_stream import RankPromptStream
@@ -212,12 +213,13 @@ class AsyncGRPOTrainer(
 
     def _sample_rollout(self, prompts, rows) -> RolloutSamples:
         """TRL's driver took the producer's next groups from the server engine (``take_groups``): the samples are
-        those groups, each row with the policy version that sampled it (and each token with its own under
-        ``full_weight_reload="keep"``). Evaluation's completions were sampled now, outside the producer."""
+        those groups (carried on the completion-id list, ``rollout.carried_values``), each row with the policy
+        version that sampled it (and each token with its own under ``full_weight_reload="keep"``). Evaluation's
+        completions were sampled now, outside the producer."""
         samples = super()._sample_rollout(prompts, rows)
         if not self.model.training:
             return samples
-        groups = self.vllm_generation.last_groups  # the engine's answer to the driver's call that just returned
+        groups = groups_of(samples.completion_ids, "TRL's _generate")
         sampled = [ids for group in groups for ids in group.sampled.completion_ids]
         if [list(ids) for ids in samples.completion_ids] != [list(ids) for ids in sampled]:
             raise RuntimeError("the completions TRL returned are not the producer's (the rollout's order changed).")

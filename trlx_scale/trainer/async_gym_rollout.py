@@ -18,6 +18,7 @@ from ..agents.server_gym_sampler import GYM_FIELDS, GYM_METRICS, ROLLOUT_KEYS, S
 from ..agents.trajectory_tokens import ObservationRenderer
 from ..options import option
 from ..rollout.async_producer import SampledGroup
+from ..rollout.carried_values import ServedCompletionIds
 
 
 class AsyncGymRolloutMixin:
@@ -58,9 +59,13 @@ class AsyncGymRolloutMixin:
         if not self.model.training:
             raise RuntimeError("AsyncGRPOTrainer does not evaluate with a GymRollout (refused at construction).")
         engine = self.vllm_generation
-        groups = [group.sampled for group in engine.take_groups(len(prompts) // self.num_generations)]
+        scored = engine.take_groups(len(prompts) // self.num_generations)
+        groups = [group.sampled for group in scored]
         output: dict[str, list] = {
-            "completion_ids": [list(ids) for group in groups for ids in group.completion_ids],
+            # The groups ride on the completion ids to the collector's sampling stage (rollout.carried_values).
+            "completion_ids": ServedCompletionIds(
+                [list(ids) for group in groups for ids in group.completion_ids], scored
+            ),
             "logprobs": [list(values) for group in groups for values in group.logprobs],
         }
         for key in groups[0].extras[GYM_FIELDS]:

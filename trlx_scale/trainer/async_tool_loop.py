@@ -46,6 +46,7 @@ from ..agents.trajectory_tokens import TurnBudget
 from ..compat.trl_tool_suffix import tool_suffix_renderer
 from ..options import option
 from ..rollout.async_producer import GroupRequest, SampledGroup
+from ..rollout.carried_values import ServedCompletionIds, groups_of
 from .concurrent_tool_loop_mixin import MAX_TOOL_THREADS
 
 
@@ -187,9 +188,10 @@ class AsyncToolLoopMixin:
         )
         if not self.tools or not self.model.training:
             return result
-        extras = [group.sampled.extras for group in self.vllm_generation.last_groups]
+        groups = groups_of(result[0], "TRL's _generate_single_turn")
+        extras = [group.sampled.extras for group in groups]
         return (
-            [ids for extra in extras for ids in extra[FIRST_TURN_IDS]],
+            ServedCompletionIds([ids for extra in extras for ids in extra[FIRST_TURN_IDS]], groups),
             [values for extra in extras for values in extra[FIRST_TURN_LOGPROBS]],
         )
 
@@ -202,7 +204,8 @@ class AsyncToolLoopMixin:
         """The producer's finished trajectories, in TRL's loop's return shape."""
         if not self.model.training:
             raise RuntimeError("AsyncGRPOTrainer does not evaluate with tools (refused at construction).")
-        groups = [group.sampled for group in self.vllm_generation.last_groups]
+        scored = groups_of(completion_ids, "TRL's first turn (_generate_single_turn)")
+        groups = [group.sampled for group in scored]
         first = [ids for group in groups for ids in group.extras[FIRST_TURN_IDS]]
         if [list(ids) for ids in completion_ids] != first:
             raise RuntimeError("the first turns TRL parsed are not the producer's (the rollout's order changed).")
@@ -217,7 +220,7 @@ class AsyncToolLoopMixin:
         return (
             [mask for group in groups for mask in group.extras[TOOL_MASKS]],
             [list(messages) for group in groups for messages in group.completions],
-            [ids for group in groups for ids in group.completion_ids],
+            ServedCompletionIds([ids for group in groups for ids in group.completion_ids], scored),
             None if logprobs is None else [values for group in groups for values in group.logprobs],
             sum(summary.tool_calls for summary in summaries),
             sum(summary.tool_failures for summary in summaries),

@@ -123,7 +123,6 @@ class GRPOTrainer(
             # built right after (see _build_colocated_engine).
             args = copy.copy(args)
             args.use_vllm = False
-        self._loss_pass_inputs = None  # the _compute_loss call in progress (LossPassCorrectionMixin)
         check_train_dataset(train_dataset)
         check_dataset_columns(train_dataset, GRPO_COLUMNS, type(self).__name__)
         check_dataset_columns(eval_dataset, GRPO_COLUMNS, type(self).__name__, "eval_dataset")
@@ -261,11 +260,13 @@ class GRPOTrainer(
                 "TRL's reward log, which is keyed by name. Give each reward function a name of its own (a def, not "
                 "two lambdas)."
             )
-        self._rollout_rows = inputs  # a GymRollout's environments reset from them (gym_rollout_mixin)
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            self._rollout_rows = None
+        if isinstance(self.rollout_func, GymRollout):
+            raise ValueError(
+                "rollout_func=GymRollout(...) runs text episodes, and this batch has images (an 'image' or 'images' "
+                "column), which its episodes would drop: remove the image column, or train the vision-language "
+                "model without GymRollout."
+            )
+        output = super()._generate_and_score_completions(inputs)
         rows_all = output["completion_ids"].size(0) * self.accelerator.num_processes
         logged = [list(self._logs["rewards"][name])[-rows_all:] for name in names]
         if any(len(values) != rows_all for values in logged):

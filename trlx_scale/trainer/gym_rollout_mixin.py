@@ -6,9 +6,8 @@ trlx_scale's colocated engine inside one engine round (``serving_turns``: the tr
 asleep afterwards), each at its own pace (``ColocatedTurnSampler``: vLLM's continuous batching takes whatever turns
 are ready), each with a seed from the run's seed, the rank, the step and its index (a resumed run samples what the
 uninterrupted one sampled), under the trainer's budgets and prefix policy. The environments' ``reset`` gets the
-dataset row of its prompt: the rows of the rollout being sampled (``_rollout_rows``, set by ``_sample_rollout`` for
-the call of TRL's generation driver only, since TRL's contract hands ``rollout_func`` the prompts alone: the one value
-of the rollout collector that reaches a stage through the trainer).
+dataset row of its prompt: TRL's contract hands ``rollout_func`` the prompts alone, so the rows ride on the prompt
+list (``rollout.carried_values.RolloutPrompts``, built by ``_sample_rollout``).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from ..agents.gym_rollout import GymRollout
 from ..agents.multi_turn_rollout import trajectory_metrics
 from ..agents.trajectory_tokens import ObservationRenderer, TurnBudget
 from ..options import option
+from ..rollout.carried_values import RolloutPrompts, rows_of
 from ..rollout.collector import RolloutSamples
 from .concurrent_tool_loop_mixin import _run_blocking
 
@@ -29,16 +29,10 @@ from .concurrent_tool_loop_mixin import _run_blocking
 class GymRolloutMixin:
     """Part of ``GRPOTrainer`` (see the module docstring); needs ``ConcurrentToolLoopMixin``'s seeds."""
 
-    _rollout_rows: list[dict[str, Any]] | None = None
-
     def _sample_rollout(self, prompts: list, rows: list[dict[str, Any]]) -> RolloutSamples:
-        """The collector's sampling stage: TRL's generation driver ``_generate`` on the rollout's prompts, the rows
-        within reach of a ``GymRollout`` for that call."""
-        self._rollout_rows = rows
-        try:
-            return RolloutSamples(*self._generate(prompts))
-        finally:
-            self._rollout_rows = None
+        """The collector's sampling stage: TRL's generation driver ``_generate`` on the rollout's prompts, which carry
+        their rows to a ``GymRollout``."""
+        return RolloutSamples(*self._generate(RolloutPrompts(prompts, rows)))
 
     def _gym_rollout(self, gym: GymRollout, prompts: list) -> dict[str, list]:
         engine = self._rollout_engine()
@@ -47,9 +41,13 @@ class GymRolloutMixin:
                 "GymRollout runs its episodes on trlx_scale's colocated vLLM engine: set use_vllm=True and "
                 "vllm_mode='colocate' (or use AsyncGRPOTrainer for the servers)."
             )
-        rows = self._rollout_rows if self._rollout_rows is not None else [{} for _ in prompts]
-        if len(rows) != len(prompts):
-            raise RuntimeError(f"GymRollout got {len(prompts)} prompts for {len(rows)} rows of the batch.")
+        rows = rows_of(prompts)
+        if rows is None:
+            raise RuntimeError(
+                "GymRollout got prompts without their dataset rows: trlx_scale's rollout collector calls TRL's "
+                "generation driver with them (rollout.carried_values.RolloutPrompts); a rollout built another way "
+                "cannot reset the environments from their rows."
+            )
         mode = "train" if self.model.training else "eval"
         with self.phase_timer.phase("generation"), engine.serving_turns() as llm:
             sampler = ColocatedTurnSampler(

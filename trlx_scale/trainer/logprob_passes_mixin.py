@@ -18,6 +18,7 @@ from ..passes import LogProbPass, PackedPass, PaddedPass, PassRequest, PassResul
 from ..passes.prefix_tree import PrefixTreePass, tree_is_cheaper
 from ..passes.shared_prefix import all_ranks_can_share, unsupported_reason
 from ..peft_models import is_peft_model
+from .loss_pass_correction_mixin import loss_pass_batch
 
 
 class LogProbPassesMixin:
@@ -70,9 +71,10 @@ class LogProbPassesMixin:
             result = self._choose_logprob_pass(model, request).run(model, request)
         self._record_pass(result, training)
         logps = result.logps
-        if self._loss_pass_inputs is not None:
-            self._deferred_correction(logps, self._loss_pass_inputs)  # from the raw log-probs, before any seam
-            logps = self._postprocess_loss_logps(logps, self._loss_pass_inputs)
+        batch = loss_pass_batch()  # the loss pass's micro-batch, inside TRL's _compute_loss
+        if batch is not None:
+            self._deferred_correction(logps, batch)  # from the raw log-probs, before any seam
+            logps = self._postprocess_loss_logps(logps, batch)
         return logps, result.entropies, result.aux_loss
 
     def _choose_logprob_pass(self, model, request: PassRequest) -> LogProbPass:

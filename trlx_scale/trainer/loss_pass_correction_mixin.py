@@ -7,9 +7,16 @@ between, at seams a subclass can override:
   runs with the weights that generated the batch, the rollout collector runs no separate old-policy pass and the
   correction is computed from the loss pass's detached log-probs (``_defers_old_logprobs``, ``_deferred_correction``);
 - GSPO-token's weights through TRL's token branch (``_postprocess_loss_logps``).
+
+Both need the micro-batch, which TRL's ``_compute_loss`` does not hand to the pass it runs
+(``_get_per_token_logps_and_entropies`` takes token ids and masks only). The batch is bound for the duration of that
+one call in a context variable (``loss_pass_batch``): not a trainer attribute, so nothing of a micro-batch outlives its
+call or is seen by another thread, and no TRL call order is assumed.
 """
 
 from __future__ import annotations
+
+from contextvars import ContextVar
 
 import torch
 
@@ -18,21 +25,25 @@ from ..losses.vllm_importance_sampling import vllm_importance_sampling_ratio
 from ..options import option
 from ..rollout.collector import log_importance_sampling
 
+_LOSS_PASS_BATCH: ContextVar[dict | None] = ContextVar("trlx_scale_loss_pass_batch", default=None)
+
+
+def loss_pass_batch() -> dict | None:
+    """The micro-batch of the ``_compute_loss`` call in progress (None outside one: a rollout's passes)."""
+    return _LOSS_PASS_BATCH.get()
+
 
 class LossPassCorrectionMixin:
     """Part of ``GRPOTrainer`` (see the module docstring); placed before TRL's class in its bases."""
 
-    _loss_pass_inputs: dict | None = None  # the micro-batch of the _compute_loss call in progress
-
     def _compute_loss(self, model, inputs):
-        # TRL computes the loss pass's log-probs inside _compute_loss and forms the ratios inline; the batch rides
-        # along so that _postprocess_loss_logps (the seam subclasses override) sees it.
-        # The attribute lives for this call only (the pass runs inside it), so no TRL call order is assumed.
-        self._loss_pass_inputs = inputs
+        # TRL computes the loss pass's log-probs inside _compute_loss and forms the ratios inline; the batch is bound
+        # for this call so that the pass's seams (_deferred_correction, _postprocess_loss_logps) see it.
+        token = _LOSS_PASS_BATCH.set(inputs)
         try:
             return super()._compute_loss(model, inputs)
         finally:
-            self._loss_pass_inputs = None
+            _LOSS_PASS_BATCH.reset(token)
 
     def _postprocess_loss_logps(self, logps: torch.Tensor, inputs: dict) -> torch.Tensor:
         """Seam: the loss pass's per-token log-probs, before TRL turns them into importance ratios.

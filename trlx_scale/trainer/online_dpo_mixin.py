@@ -1,7 +1,9 @@
 """``OnlineDPOMixin``: ``DPOTrainer(online=True)``: each step the current policy samples, rewards rank, DPO trains.
 
 Each step, the batch's prompts are sampled by the current policy on the colocated engine (LoRA-only sync,
-sleep/wake), ``reward_funcs`` score the completions, and DPO trains on each prompt's (best, worst) pair. Across
+sleep/wake) and ``reward_funcs`` score the completions, both through the rollout collector
+(``rollout.collector.RolloutCollector.sample_and_score``, whose stages this mixin supplies), and DPO trains on each
+prompt's (best, worst) pair. Across
 ranks the pairs are dealt evenly, tie pairs topping up the short ranks (``dpo.online_pair_balance``), so the
 gradient is exactly the mean over the step's real pairs. A checkpoint keeps the round's statistics, so a resumed
 run logs and scores as the uninterrupted one.
@@ -13,7 +15,7 @@ import copy
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import gather, gather_object
 from transformers.utils import logging
 from trl.data_utils import is_conversational
 
@@ -21,6 +23,7 @@ from ..dpo.online_pair_balance import balance_pairs, tie_pair_loss
 from ..dpo.preference_pairs import best_worst_pairs
 from ..options import option
 from ..reliability.reward_guard import raise_reward_errors
+from ..rollout.collector import RolloutCollector, RolloutSamples
 from ..rollout.reward_scoring import ConcurrentRewardScorer
 
 logger = logging.get_logger(__name__)
@@ -105,26 +108,57 @@ class OnlineDPOMixin:
         }
 
     def _online_round(self, examples: list[dict[str, Any]]) -> list[dict[str, list[int]]]:
-        """Sample, score and pair one batch of prompts with the current policy."""
-        args = self.args
-        engine = self._colocated_engine()  # it serves the current policy version (LoRA-only sync where possible)
-        group = args.online_num_generations
+        """Sample, score and pair one batch of prompts with the current policy: the rollout collector's sampling and
+        reward stages (``RolloutCollector.sample_and_score``, through this trainer's ``_rollout_prompts``,
+        ``_sample_rollout`` and ``_rollout_rewards``), then each prompt's (best, worst) pair."""
+        group = self.args.online_num_generations
+        rows = [dict(example) for example in examples for _ in range(group)]  # each prompt's group together
+        scored = RolloutCollector(self).sample_and_score(rows, self.policy_version)
+        rewards = torch.zeros(len(rows))
+        for column in scored.local_rewards_per_func.cpu().T:  # the functions' sum, NaN where one gave None
+            rewards += column
         prompt_ids = [example["prompt_ids"] for example in examples]
-        repeated = [ids for ids in prompt_ids for _ in range(group)]
+        completion_ids = scored.samples.completion_ids
+        pairs, stats = best_worst_pairs(prompt_ids, completion_ids, rewards.view(len(examples), group))
+        stats = self._global_round_stats(stats, len(pairs))
+        for key, value in {**stats, **self._colocated_engine().pop_metrics()}.items():
+            self._metrics["train"][key if "/" in key else f"online/{key}"].append(value)
+        return pairs
+
+    # ---------------------------------------------------------------- the collector's stages (RolloutSource)
+    def _rollout_prompts(self, rows: list[dict[str, Any]]) -> list:
+        return [row["prompt"] for row in rows]
+
+    def _sample_rollout(self, prompts: list, rows: list[dict[str, Any]]) -> RolloutSamples:
+        """The current policy's completions of ``rows`` (each prompt's group together) on the colocated engine, which
+        serves the trainer's policy version (LoRA-only sync where possible), with its log-probs of the sampled
+        tokens."""
+        engine = self._colocated_engine()
+        prompt_ids = [row["prompt_ids"] for row in rows]
         engine.set_rollout_seed(self.args.seed, self.state.global_step)
         with self.phase_timer.phase("generation"):
-            _, completion_ids, _, _ = engine.generate(prompts=repeated, images=None, num_generations=group)
-        self._count_generation(repeated, completion_ids)
+            _, completion_ids, logprobs, _ = engine.generate(
+                prompts=prompt_ids, images=None, num_generations=self.args.online_num_generations
+            )
+        self._count_generation(prompt_ids, completion_ids)
         texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        conversational = is_conversational(examples[0])
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        prompts = [example["prompt"] for example in examples for _ in range(group)]
-        columns = {
-            key: [example[key] for example in examples for _ in range(group)]
-            for key in examples[0]
-            if key not in ("prompt", "prompt_ids")
-        }
-        rewards = torch.zeros(len(repeated))
+        conversational = is_conversational(rows[0])
+        return RolloutSamples(
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            tool_mask=None,
+            completions=[[{"role": "assistant", "content": t}] for t in texts] if conversational else texts,
+            sampling_logps=[[token[0] for token in row] for row in logprobs],  # the sampled token's (top-1 slot)
+            extra_fields={},
+            images=None,
+            tool_images=None,
+        )
+
+    def _rollout_rewards(self, rows: list[dict[str, Any]], prompts: list, samples: RolloutSamples) -> torch.Tensor:
+        """(B_all, F): GRPO's scorer, with TRL's reward-function arguments (the rows' other columns, a snapshot of
+        the trainer state, ``log_metric``; DPO keeps no completions table, so what ``log_extra`` is given is
+        dropped), guarded (``reward_errors``); NaN where a function gave None; every process's rows."""
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "prompt_ids")}
         with self.phase_timer.phase("reward"):
             if self._online_scorer is None:
                 self._online_scorer = ConcurrentRewardScorer(
@@ -132,28 +166,19 @@ class OnlineDPOMixin:
                     max_workers=len(self.reward_funcs),
                     sequential=option(self.args, "reward_scoring") == "sequential",
                 )
-            # GRPO's scorer, with TRL's reward-function arguments: DPO keeps no completions table, so what
-            # log_extra is given is dropped; log_metric's values are logged under their names.
-            rows = self._online_scorer.score_now(
+            scores = self._online_scorer.score_now(
                 prompts,
-                completions,
-                completion_ids,
+                samples.completions,
+                samples.completion_ids,
                 trainer_state=copy.copy(self.state),
                 log_metric=lambda name, value: self._metrics["train"][name].append(value),
                 log_extra=lambda column, values: None,
                 **columns,
             )
-            for column in zip(*rows, strict=True):  # the functions' sum, NaN where one gave None (each function)
-                rewards += torch.tensor(column)
             skipped = raise_reward_errors(self.reward_funcs, self.accelerator)
         if skipped or self.args.reward_errors == "skip":
             self._metrics["train"]["reliability/reward_errors"].append(float(skipped))
-        pairs, stats = best_worst_pairs(prompt_ids, completion_ids, rewards.view(len(examples), group))
-        stats = self._global_round_stats(stats, len(pairs))
-        mode = "train"
-        for key, value in {**stats, **engine.pop_metrics()}.items():
-            self._metrics[mode][key if "/" in key else f"online/{key}"].append(value)
-        return pairs
+        return gather(torch.tensor(scores, dtype=torch.float32, device=self.accelerator.device))
 
 
 def keep_examples(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
