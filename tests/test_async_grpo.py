@@ -45,6 +45,31 @@ def server(default_model_dir):
     process.stop()
 
 
+def test_the_cpu_server_runs_its_model_in_the_engine_core_and_is_quiet_between_requests(server):
+    """compat/vllm_cpu_server_executor.py: no worker process (whose queue reader would spin a core for a second
+    after every step), and the server's processes take little CPU in the half second after a request."""
+    import httpx
+    import psutil
+
+    processes = psutil.Process(server.process.pid).children(recursive=True)
+    titles = [" ".join(process.cmdline()) for process in processes]
+    assert any("VLLM::EngineCore" in title for title in titles), titles
+    assert not any("VLLM::Worker" in title for title in titles), titles
+
+    def cpu_seconds() -> float:
+        return sum(sum(process.cpu_times()[:2]) for process in processes)
+
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0.0}
+    httpx.post(server.url + "/v1/completions", json=body, timeout=60).raise_for_status()  # warm
+    time.sleep(1.5)
+    before = cpu_seconds()
+    httpx.post(server.url + "/v1/completions", json=body, timeout=60).raise_for_status()
+    time.sleep(0.5)
+    # The multiprocessing executor's worker took 0.31 CPU seconds in the 0.3 s after such a request.
+    assert cpu_seconds() - before < 0.2
+
+
 def _async(
     tmp_path,
     default_model_dir,

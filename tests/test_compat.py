@@ -338,3 +338,46 @@ def test_checked_reload_wraps_what_vllms_reload_still_calls():
         "--worker-extension-cls"
         not in ServerLaunch(model="m", port=1, extra_args=("--worker-extension-cls", "x")).arguments()[:-2]
     )
+
+
+def test_the_cpu_platform_still_forces_a_spinning_worker_unless_multiprocessing_is_off():
+    """compat/vllm_cpu_server_executor.py: vLLM's CPU platform swaps the uni executor for the multiprocessing one
+    unless VLLM_ENABLE_V1_MULTIPROCESSING is "0", and that executor's worker reads its steps from a shared-memory queue
+    that busy-loops for a second after each read. Fails when either changes upstream (review the workaround then)."""
+    import inspect
+
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.platforms.cpu import CpuPlatform
+
+    from trlx_scale.compat import vllm_cpu_server_executor as executor
+
+    assert executor.supported(), (
+        "the installed vLLM is not the series compat/vllm_cpu_server_executor.py was checked on"
+    )
+    rule = " ".join(inspect.getsource(CpuPlatform.check_and_update_config).split())
+    assert 'os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1"' in rule
+    assert 'and parallel_config.distributed_executor_backend == "uni"' in rule
+    assert 'parallel_config.distributed_executor_backend = "mp"' in rule
+    assert inspect.signature(SpinCondition.__init__).parameters["busy_loop_s"].default == 1
+    assert "sched_yield()" in inspect.getsource(SpinCondition.wait)
+
+
+def test_the_uni_executor_is_asked_for_unless_the_caller_chose_one():
+    from trlx_scale.compat.vllm_cpu_server_executor import uni_executor_arguments, uni_executor_environment
+    from trlx_scale.generation.cpu_environment import running_on_cpu_only
+    from trlx_scale.generation.vllm_server import ServerLaunch
+
+    assert uni_executor_arguments(()) == ["--distributed-executor-backend", "uni"]
+    assert uni_executor_arguments(("--distributed-executor-backend", "mp")) == []
+    assert uni_executor_arguments(("--distributed-executor-backend=mp",)) == []
+    assert uni_executor_environment(["x", "--distributed-executor-backend", "uni"]) == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
+    }
+    assert uni_executor_environment(["--distributed-executor-backend=mp"]) == {}
+    assert running_on_cpu_only()
+    launch = ServerLaunch(model="m", enable_lora=False)
+    assert launch.environment({})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in launch.shell_command()
+    by_hand = ServerLaunch(model="m", enable_lora=False, extra_args=("--distributed-executor-backend", "mp"))
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in by_hand.environment({})
+    assert by_hand.arguments().count("--distributed-executor-backend") == 1

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..compat.vllm_checked_reload import WORKER_EXTENSION
+from ..compat.vllm_cpu_server_executor import uni_executor_arguments, uni_executor_environment
 from ..compat.vllm_server_entrypoint import server_command
 from .cpu_environment import KVCACHE_SPACE_ENV, running_on_cpu_only
 from .server_watchdog import GRACE_SECONDS, end_process_group, wrapped_command
@@ -110,6 +111,9 @@ class ServerLaunch:
             argv += ["--no-enable-chunked-prefill"]
             if self.max_model_len:
                 argv += ["--max-num-batched-tokens", str(max(4096, self.max_model_len))]
+            # The model in the engine-core process: the CPU platform's worker process spins a core for a second
+            # after every step (compat.vllm_cpu_server_executor).
+            argv += uni_executor_arguments(self.extra_args)
         if "--worker-extension-cls" not in self.extra_args:
             # Full-weight reloads report the parameters they left unloaded (compat.vllm_checked_reload).
             argv += ["--worker-extension-cls", WORKER_EXTENSION]
@@ -131,6 +135,7 @@ class ServerLaunch:
             # example sets it for the trainer): on 2 cores, async GRPO with a 1 s reward made 47 samples/s with
             # both spinning, 53 with the server alone passive, 153 with both (docs/benchmarks.md).
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            env.update(uni_executor_environment(self.arguments()))
         # A training process's torch.distributed variables must not reach the server's own process group.
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)
@@ -141,9 +146,11 @@ class ServerLaunch:
         env = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 VLLM_SERVER_DEV_MODE=1"
         if self.devices is not None:
             env += f" CUDA_VISIBLE_DEVICES={self.devices}"
+        arguments = self.arguments()
         if running_on_cpu_only():
             env += f" {KVCACHE_SPACE_ENV}={os.environ.get(KVCACHE_SPACE_ENV, self.kvcache_space_gib)}"
-        return env + " " + " ".join(self.arguments())
+            env += "".join(f" {name}={value}" for name, value in uni_executor_environment(arguments).items())
+        return env + " " + " ".join(arguments)
 
 
 class VLLMServerProcess:
