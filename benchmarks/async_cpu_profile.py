@@ -1,7 +1,7 @@
 """Where the CPU goes in a step: synchronous GRPO against AsyncGRPOTrainer on a real vLLM server, no reward latency.
 
-The asynchronous trainer runs at about 0.44x the synchronous one on this 2-core machine when the reward costs
-nothing (docs/benchmarks.md). This measures why, per step, from the operating system's CPU accounting (``psutil``):
+The asynchronous trainer runs at 0.6-0.7x the synchronous one on this 2-core machine when the reward costs nothing
+(0.44x before the CPU server lost its spinning worker: docs/benchmarks.md). This measures why, per step, from the operating system's CPU accounting (``psutil``):
 the trainer process's CPU seconds, split by thread (the training loop, torch's worker, the rollout producer that
 samples and scores on the servers), and the vLLM server's (its API server, engine core and worker processes), over
 steps ``--skip``..``--steps`` of each run. Each setting runs in a process of its own, as in

@@ -5,11 +5,12 @@ Why: vLLM 0.32's CPU platform replaces the single-process executor by the multip
 ``VLLM_ENABLE_V1_MULTIPROCESSING`` is "1" (its default; ``vllm/platforms/cpu.py``: "OMP requires the MP executor", so
 that the worker can be started with its OpenMP thread binding). That executor hands every step to a worker process
 through a shared-memory queue whose reader busy-loops (``sched_yield``) for ``busy_loop_s = 1`` second after each
-read before it waits on a socket (``shm_broadcast.SpinCondition``; no setting changes it). Measured on this 2-core
-machine (one server, the embedded model): one probe request of 13 ms costs the worker 0.31 CPU seconds in the 0.3 s
-after it and 1.01 in the second after it; with the uni executor, 0.02 and 0.03. Under asynchronous GRPO, where
-requests reach the server all through a step, that worker kept one of the two cores spinning: most of the 1.1 CPU
-seconds per step the server took (docs/benchmarks.md, "Where the CPU goes").
+read before it waits on a socket (``shm_broadcast.SpinCondition``; no setting changes it). Measured on a 2-core
+machine (``benchmarks/server_cpu_per_operation.py``): one probe request of 13 ms costs the server's processes 0.32
+CPU seconds with that worker and 0.01 without it; a step's sampling 0.55 against 0.18. Under asynchronous GRPO,
+where requests reach the server all through a step, the worker kept one of the two cores spinning: the server's CPU
+per step fell from 1.10 to 0.27 seconds without it (docs/benchmarks.md, "The CPU server without its spinning
+worker").
 
 The uni executor needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the server's environment (the OpenAI server's engine
 core still runs in a process of its own: its async client always does) and ``--distributed-executor-backend uni``.
