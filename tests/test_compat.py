@@ -368,16 +368,30 @@ def test_the_uni_executor_is_asked_for_unless_the_caller_chose_one():
     from trlx_scale.generation.vllm_server import ServerLaunch
 
     assert uni_executor_arguments(()) == ["--distributed-executor-backend", "uni"]
-    assert uni_executor_arguments(("--distributed-executor-backend", "mp")) == []
-    assert uni_executor_arguments(("--distributed-executor-backend=mp",)) == []
+    for chosen in (
+        ("--distributed-executor-backend", "mp"),
+        ("--distributed-executor-backend=mp",),
+        ("--distributed_executor_backend", "mp"),
+        ("--tensor-parallel-size", "2"),
+        ("-tp", "2"),
+        ("--pipeline_parallel_size=2",),
+    ):
+        assert uni_executor_arguments(chosen) == [], chosen
     assert uni_executor_environment(["x", "--distributed-executor-backend", "uni"]) == {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
     }
     assert uni_executor_environment(["--distributed-executor-backend=mp"]) == {}
-    assert running_on_cpu_only()
+    assert (
+        uni_executor_environment(["--distributed-executor-backend", "uni", "--distributed_executor_backend", "mp"])
+        == {}
+    )
     launch = ServerLaunch(model="m", enable_lora=False)
-    assert launch.environment({})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in launch.shell_command()
     by_hand = ServerLaunch(model="m", enable_lora=False, extra_args=("--distributed-executor-backend", "mp"))
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in by_hand.environment({})
     assert by_hand.arguments().count("--distributed-executor-backend") == 1
+    if running_on_cpu_only():
+        assert launch.environment({})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in launch.shell_command()
+    else:  # GPUs: vLLM's own executor (one rank is the uni executor there already)
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in launch.environment({})
+        assert "--distributed-executor-backend" not in launch.arguments()

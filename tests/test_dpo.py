@@ -247,8 +247,9 @@ def test_online_rounds_sample_and_score_through_the_rollout_collector(default_mo
     examples = [trainer.train_dataset[i] for i in range(8)]
     rows = [dict(example) for example in examples for _ in range(4)]
     scored = RolloutCollector(trainer).sample_and_score(rows, trainer.policy_version)
-    assert scored.policy_version == trainer.policy_version
-    assert scored.rewards_per_func.shape == (32, 1)
+    # This process's rows of the gathered rewards are its own samples' (the subclass's reward: minus the token sum).
+    expected = [-float(sum(ids)) for ids in scored.samples.completion_ids]
+    assert scored.local_rewards_per_func[:, 0].tolist() == expected
     for ids, logps in zip(scored.samples.completion_ids, scored.samples.sampling_logps, strict=True):
         assert len(logps) == len(ids) and all(math.isfinite(x) and x <= 0 for x in logps)
     pairs = trainer._online_round(examples)

