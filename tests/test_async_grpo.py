@@ -1140,6 +1140,7 @@ class _RecordingGymTrainer(AsyncGRPOTrainer):
     """Keeps what TRL's rollout returned and scored (the trainer's own code runs unchanged)."""
 
     def _generate(self, prompts):
+        self.generated_from = getattr(self, "generated_from", []) + [prompts]
         self.generations = getattr(self, "generations", []) + [super()._generate(prompts)]
         return self.generations[-1]
 
@@ -1190,6 +1191,10 @@ def test_gym_episodes_run_in_the_producer(server, default_model_dir, default_tok
     assert min(logged(trainer, "agents/turns_mean")) > 1.0
     assert max(logged(trainer, "sampling/sampling_logp_difference/max")) < 1e-3
     assert max(logged(trainer, "async/sampler_trainer_kl")) < 1e-3  # observations are not behaviour samples
+    # The producer reset the environments from the rows: TRL's driver gets the bare prompts (no rows to deep-copy).
+    from trlx_scale.rollout.carried_values import rows_of
+
+    assert [rows_of(prompts) for prompts in trainer.generated_from] == [None] * len(trainer.generated_from)
 
 
 class _Observing:

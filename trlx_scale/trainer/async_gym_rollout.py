@@ -24,6 +24,8 @@ from ..rollout.carried_values import ServedCompletionIds
 class AsyncGymRolloutMixin:
     """Part of ``AsyncGRPOTrainer`` (see the module docstring); needs ``GymRolloutMixin``'s parser and budget."""
 
+    _gym_rollout_reads_rows = False  # the producer's episodes reset their environments from the rows themselves
+
     def _uses_gym_rollout(self) -> bool:
         return isinstance(self.rollout_func, GymRollout)
 

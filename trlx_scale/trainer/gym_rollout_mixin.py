@@ -29,10 +29,14 @@ from .concurrent_tool_loop_mixin import _run_blocking
 class GymRolloutMixin:
     """Part of ``GRPOTrainer`` (see the module docstring); needs ``ConcurrentToolLoopMixin``'s seeds."""
 
+    # Whether this trainer's ``_gym_rollout`` resets environments from the rows (AsyncGRPOTrainer's producer does
+    # that itself, so there the rows TRL would deep-copy go unread).
+    _gym_rollout_reads_rows = True
+
     def _sample_rollout(self, prompts: list, rows: list[dict[str, Any]]) -> RolloutSamples:
         """The collector's sampling stage: TRL's generation driver ``_generate`` on the rollout's prompts, which carry
         their rows to a ``GymRollout`` (only there: TRL deep-copies the list it is given, rows included)."""
-        if isinstance(self.rollout_func, GymRollout):
+        if isinstance(self.rollout_func, GymRollout) and self._gym_rollout_reads_rows:
             prompts = RolloutPrompts(prompts, rows)
         return RolloutSamples(*self._generate(prompts))
 
