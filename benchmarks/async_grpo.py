@@ -206,7 +206,7 @@ def run_server_config(
     return cli.samples_per_step * (len(ends) - 3) / (ends[-1] - ends[2])
 
 
-def _run_in_subprocess(cli, kind, staleness, latency, url, seed, workdir) -> float:
+def _run_in_subprocess(cli, kind, staleness, latency, url, seed, workdir, delivery="auto") -> float:
     """One setting in a process of its own, each trainer with its own best thread setting: the asynchronous one
     with OpenMP threads that sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``, what its example sets: on CPU
     it shares the cores with the server), the synchronous one with OpenMP's default (it has the cores to itself)."""
@@ -218,7 +218,7 @@ def _run_in_subprocess(cli, kind, staleness, latency, url, seed, workdir) -> flo
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     command = [sys.executable, os.path.abspath(__file__), "--one-server-config", kind, str(staleness), str(latency)]
     command += [url, str(seed), workdir, "--server-steps", str(cli.server_steps)]
-    command += ["--samples-per-step", str(cli.samples_per_step)]
+    command += ["--samples-per-step", str(cli.samples_per_step), "--weight-delivery", delivery]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} s={staleness} latency={latency} failed:\n{done.stderr[-4000:]}")
@@ -231,7 +231,10 @@ def run_server(cli) -> None:
     from trlx_scale.generation.vllm_server import ServerLaunch, VLLMServerProcess
     from trlx_scale.tasks import default_model_path
 
-    settings = [("sync", 0)] + [("async", s) for s in cli.staleness if s > 0]
+    # Each asynchronous setting once per --weight-delivery mode (named in the table when there are several).
+    settings = [("sync", 0, "auto")] + [
+        ("async", s, delivery) for s in cli.staleness if s > 0 for delivery in cli.weight_delivery
+    ]
     results: dict[tuple, list[float]] = {}
     # The server the trainer starts itself here: on CPU it sends merged full weights (vllm_sync_mode "auto"), so
     # no adapter slots, which slow the CPU engine's sampling.
@@ -239,28 +242,41 @@ def run_server(cli) -> None:
     with VLLMServerProcess(launch, startup_timeout=600) as server, tempfile.TemporaryDirectory() as workdir:
         for repeat in range(cli.repeats):
             for latency in cli.reward_latency:
-                for kind, staleness in settings:  # interleaved: the machine's noise falls on every setting alike
-                    rate = _run_in_subprocess(cli, kind, staleness, latency, server.url, cli.seed + repeat, workdir)
-                    results.setdefault((latency, kind, staleness), []).append(rate)
+                for kind, staleness, delivery in settings:  # interleaved: the noise falls on every setting alike
+                    seed = cli.seed + repeat
+                    rate = _run_in_subprocess(cli, kind, staleness, latency, server.url, seed, workdir, delivery)
+                    results.setdefault((latency, kind, staleness, delivery), []).append(rate)
                     print(
-                        f"repeat {repeat} latency {latency} {kind} s={staleness}: {rate:.1f} samples/s",
+                        f"repeat {repeat} latency {latency} {kind} s={staleness} {delivery}: {rate:.1f} samples/s",
                         file=sys.stderr,
                     )
     print(
         f"server: embedded model, LoRA r64, {cli.samples_per_step} samples/step (G=8), {cli.server_steps} steps (3..N "
         f"timed), medians of {cli.repeats}"
     )
-    print("| reward latency | trainer | max_staleness | samples/s | vs sync |")
-    print("|---|---|---|---|---|")
+    several = len(cli.weight_delivery) > 1
+    print(
+        "| reward latency | trainer | max_staleness |"
+        + (" weight_delivery |" if several else "")
+        + " samples/s, median (per repeat) | vs sync: median of the per-repeat ratios (per repeat) |"
+    )
+    print("|---|---|---|" + ("---|" if several else "") + "---|---|")
     summary = {}
     for latency in cli.reward_latency:
-        sync = statistics.median(results[(latency, "sync", 0)])
-        for kind, staleness in settings:
-            rate = statistics.median(results[(latency, kind, staleness)])
-            summary[f"{latency}|{kind}|{staleness}"] = rate
+        syncs = results[(latency, "sync", 0, "auto")]
+        for kind, staleness, delivery in settings:
+            rates = results[(latency, kind, staleness, delivery)]
+            ratios = [rate / sync for rate, sync in zip(rates, syncs, strict=True)]
+            rate = statistics.median(rates)
+            summary[f"{latency}|{kind}|{staleness}|{delivery}"] = rate
             label = "GRPOTrainer (colocated)" if kind == "sync" else "AsyncGRPOTrainer"
             shown = "-" if kind == "sync" else staleness
-            print(f"| {latency} s | {label} | {shown} | {rate:.1f} | {rate / sync:.2f}x |")
+            print(
+                f"| {latency} s | {label} | {shown} |"
+                + ((" - |" if kind == "sync" else f" {delivery} |") if several else "")
+                + f" {rate:.1f} ({', '.join(f'{r:.1f}' for r in rates)}) |"
+                + f" {statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)}) |"
+            )
     if cli.json_out:
         with open(cli.json_out, "w") as handle:
             raw = {"|".join(map(str, key)): value for key, value in results.items()}
@@ -372,6 +388,13 @@ def main() -> None:
         "optionally its vllm_importance_sampling_mode)",
     )
     parser.add_argument("--server-steps", type=int, default=12, help="steps of each --server run (3..N timed)")
+    parser.add_argument(
+        "--weight-delivery",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "background", "inline"],
+        help="--server: each asynchronous setting once per AsyncGRPOConfig.weight_delivery mode listed",
+    )
     parser.add_argument("--one-server-config", nargs=6, default=None, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
@@ -385,7 +408,12 @@ def main() -> None:
     cli = parser.parse_args()
     if cli.one_server_config:
         kind, staleness, latency, url, seed, workdir = cli.one_server_config
-        print(run_server_config(cli, kind, int(staleness), float(latency), url, int(seed), workdir))
+        overrides = {"weight_delivery": cli.weight_delivery[0]} if kind == "async" else None
+        print(
+            run_server_config(
+                cli, kind, int(staleness), float(latency), url, int(seed), workdir, async_overrides=overrides
+            )
+        )
         return
     if cli.server:
         run_server(cli)

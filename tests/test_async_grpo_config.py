@@ -32,6 +32,7 @@ from .helpers.trainers import small_grpo_config
         ({"async_reward_workers": 0}, "async_reward_workers must be at least 1"),
         ({"async_reward_processes": -1}, "async_reward_processes must be 0 \\(threads\\) or a number"),
         ({"full_weight_reload": "abort"}, "full_weight_reload='abort': choose 'drain'"),
+        ({"weight_delivery": "later"}, "weight_delivery='later': choose 'auto', 'background'"),
         (
             {"full_weight_reload": "keep", "vllm_server_weight_transfer": "nccl"},
             "full_weight_reload='keep' .*use full_weight_reload='drain' with it",
@@ -115,3 +116,28 @@ def test_gspo_sequence_weights_are_geometric_means_by_default(tmp_path):
     assert gspo.sequence_behaviour_weight == "geometric_mean"
     product = small_grpo_config(tmp_path, AsyncGRPOConfig, loss_recipe="gspo", sequence_behaviour_weight="product")
     assert product.sequence_behaviour_weight == "product"
+
+
+def test_background_weight_delivery_runs_where_a_thread_can_carry_it():
+    """weight_delivery: 'auto' is background with one training process and full weights through files, inline
+    otherwise; 'background' where it cannot run is refused by name (several processes must hold their requests
+    together around a reload; adapters and NCCL travel another way)."""
+    from types import SimpleNamespace
+
+    from trlx_scale.generation.server_generation import delivers_in_background
+    from trlx_scale.generation.server_weight_transports import FullWeightFilesTransport
+
+    from accelerate import Accelerator
+
+    files = FullWeightFilesTransport(accelerator=Accelerator(cpu=True), client=None)
+    adapters = SimpleNamespace(name="adapter_files")
+    assert delivers_in_background("auto", files, num_processes=1)
+    assert delivers_in_background("background", files, num_processes=1)
+    assert not delivers_in_background("inline", files, num_processes=1)
+    assert not delivers_in_background("auto", files, num_processes=2)
+    assert not delivers_in_background("auto", adapters, num_processes=1)
+    with pytest.raises(ValueError, match="weight_delivery='background'.*this run has 2 processes.*'full_weight_files'"):
+        delivers_in_background("background", files, num_processes=2)
+    with pytest.raises(ValueError, match="weight_delivery='background'.*'adapter_files' transport"):
+        delivers_in_background("background", adapters, num_processes=1)
+    files.close()

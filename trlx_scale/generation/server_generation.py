@@ -44,10 +44,11 @@ from ..reliability.rank_agreement import failing_together
 from ..rollout.async_producer import GroupRequest, RolloutProducer, ScoredGroup
 from ..rollout.carried_values import ServedCompletionIds
 from ..rollout.staleness import StalenessSchedule
+from .background_delivery import BackgroundDelivery
 from .cpu_environment import running_on_cpu_only
 from .rollout_seeds import RolloutSeedContext, request_seed
 from .server_client import ServerError, VLLMServerClient
-from .server_weight_transports import ServerWeightTransport, build_server_transport
+from .server_weight_transports import FullWeightFilesTransport, ServerWeightTransport, build_server_transport
 from .vllm_server import VLLMServerProcess
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class ServerGeneration:
         before_publish: Callable[[int], None] | None = None,
         weights_dtype: torch.dtype | None = None,
         transport: ServerWeightTransport | None = None,
+        background_delivery: bool = False,
     ):
         self.model = model
         self.accelerator = accelerator
@@ -97,7 +99,9 @@ class ServerGeneration:
             "files", accelerator=accelerator, client=client, weights_dtype=weights_dtype, weights_root=weights_root
         )
         self.sync_mode = "lora" if client.lora else "full"
-        self.served_version: int | None = None
+        self.background_delivery = background_delivery
+        self._pending: BackgroundDelivery | None = None  # an update whose server side is still running
+        self._served_version: int | None = None
         self.phase_timer = PhaseTimer(enabled=False)
         self.excluded_parameter_prefixes: tuple[str, ...] = ()
         self._last_probe: torch.Tensor | None = None  # the trainer's probe log-probs of the last delivered version
@@ -107,12 +111,36 @@ class ServerGeneration:
         self._closed = False
 
     # ---------------------------------------------------------------- weights
-    def ensure_version(self, version: int) -> bool:
-        """Send ``version``'s weights to the servers if it is a sync version not sent yet; True if sent."""
+    @property
+    def served_version(self) -> int | None:
+        """The version the servers serve (None before the first update). An update still landing counts once it
+        has landed (``finish_delivery``)."""
+        return self._served_version
+
+    @served_version.setter
+    def served_version(self, version: int | None) -> None:
+        self.finish_delivery()  # weights replaced from outside (a checkpoint): an update in flight lands first
+        self._served_version = version
+
+    def ensure_version(self, version: int, wait: bool = False) -> bool:
+        """Send ``version``'s weights to the servers if it is a sync version not sent yet; True if sent. With
+        ``background_delivery`` the servers' side of a full-weight update runs in a thread and this returns before
+        it has landed, unless ``wait`` (evaluation samples from the served version at once)."""
+        if self._pending is not None and version <= self._pending.version and not wait:
+            return False  # on its way (TRL asks again within the same rollout)
+        if self._pending is not None:
+            with self.phase_timer.phase("weight_sync"):  # what the last update still takes is the trainer's wait
+                self.finish_delivery()
         if self.served_version is not None and version <= self.served_version:
             return False
         if self.served_version is not None and version % self.schedule.weight_sync_steps:
             return False  # between syncs: the servers keep the last synced version (the first is always sent)
+        if self.background_delivery and self.served_version is not None:  # the first update: the run waits for it
+            with self.phase_timer.phase("weight_sync"):
+                self._start_background_delivery(version)
+                if wait:
+                    self.finish_delivery()
+            return True
         with self.phase_timer.phase("weight_sync"):
             began = time.perf_counter()
             with self._hold_for_reload():
@@ -124,15 +152,55 @@ class ServerGeneration:
                 self.accelerator.wait_for_everyone()
                 if not self.accelerator.is_main_process:  # the main process updated the servers for every rank
                     self.client.record_update(version)
-            self.served_version = version
+            self._served_version = version
             if self.before_publish is not None:
                 self.before_publish(version)
             self.producer.publish_version(version)
             self._release_unused_versions()
-        self._metrics["sync/seconds"] = time.perf_counter() - began
+        self._record_update(time.perf_counter() - began, paused, background=False)
+        return True
+
+    def _record_update(self, seconds: float, paused: float, background: bool) -> None:
+        self._metrics["sync/seconds"] = seconds
         self._metrics["sync/paused_seconds"] = paused
         self._metrics["sync/lora_only"] = float(self.sync_mode == "lora")
-        return True
+        self._metrics["sync/background"] = float(background)
+
+    def _start_background_delivery(self, version: int) -> None:
+        """The trainer's part of ``version``'s update now (the files, its probe log-probs, the prompts the version
+        admits: model, collectives and tokenizer stay on this thread), the servers' part in a thread
+        (``background_delivery``), which publishes the version to the producer once it is served and verified."""
+        began = time.perf_counter()
+        self._send_files(version)
+        current = self._trainer_probe_logprobs()
+        previous, self._last_probe = self._last_probe, current
+        if self.before_publish is not None:
+            self.before_publish(version)  # prefetched only: no group of the version starts before it is published
+        hold = self.sync_mode == "full" and not self.client.keep_requests_on_reload
+        hold = hold or lora_breaks_prompt_logprobs(running_on_cpu_only())
+
+        def deliver() -> tuple[float, float, float]:
+            with self.producer.hold_requests(timeout=self.request_timeout) if hold else contextlib.nullcontext():
+                paused = self.transport.load(version)
+                gap = self._check_served_probe(version, current, previous)
+            self.producer.publish_version(version)  # its groups start now, while the trainer trains
+            return paused, gap, time.perf_counter() - began
+
+        def failed(error: BaseException) -> None:
+            self.producer.fail(error)  # a trainer waiting for groups hears of it now
+
+        self._pending = BackgroundDelivery(version, deliver, failed)
+
+    def finish_delivery(self) -> None:
+        """Wait for an update whose servers' side runs in the background; raise its error, if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        paused, gap, seconds = pending.finish()
+        self._served_version = pending.version
+        self._release_unused_versions()
+        self._metrics["sync/probe_logprob_gap"] = gap
+        self._record_update(seconds, paused, background=True)
 
     def sync_weights(self) -> None:
         """TRL's name for it: bring the servers to the trainer's current version."""
@@ -141,10 +209,17 @@ class ServerGeneration:
     def _send(self, version: int) -> float:
         """Deliver ``version`` through the transport (every rank); returns the seconds the servers were paused."""
         delivery = self.transport.deliver(self.accelerator.unwrap_model(self.model), version)
+        self._count_delivered(version, delivery)
+        return delivery.paused_seconds
+
+    def _send_files(self, version: int) -> None:
+        """The trainer's part of a full-weight update: ``version``'s files (``FullWeightFilesTransport.write``)."""
+        self._count_delivered(version, self.transport.write(self.accelerator.unwrap_model(self.model), version))
+
+    def _count_delivered(self, version: int, delivery) -> None:
         self._delivered.append(version)
         if delivery.gathered_bytes is not None:
             self._metrics["sync/gathered_bytes"] = delivery.gathered_bytes
-        return delivery.paused_seconds
 
     @contextlib.contextmanager
     def _hold_for_reload(self):
@@ -201,14 +276,18 @@ class ServerGeneration:
         Not delivered: a server still serving the previous (or the initial) weights is closer to those."""
         current = self._trainer_probe_logprobs()
         previous, self._last_probe = self._last_probe, current
-        if not self.accelerator.is_main_process:
-            return
+        if self.accelerator.is_main_process:
+            self._metrics["sync/probe_logprob_gap"] = self._check_served_probe(version, current, previous)
+
+    def _check_served_probe(self, version: int, current: torch.Tensor, previous: torch.Tensor | None) -> float:
+        """The servers' log-probs of the probe against the trainer's ``current`` ones (``_verify``; the main
+        process, no model: a background delivery runs it in its thread); returns the last server's gap."""
+        gap = 0.0
         for url, served in zip(
             self.client.base_urls, self.client.prompt_logprobs(self.probe_ids, version), strict=True
         ):
             served = torch.tensor(served)
             gap = (served - current).abs().max().item()
-            self._metrics["sync/probe_logprob_gap"] = gap
             if gap <= self.verify_tolerance:
                 continue
             gap_to_previous = None if previous is None else (served - previous).abs().max().item()
@@ -221,6 +300,7 @@ class ServerGeneration:
                 + ("" if gap_to_previous is None else f", from the previous version's by {gap_to_previous:.3g}")
                 + ". The weights sent did not arrive; stopping rather than sampling from other weights."
             )
+        return gap
 
     def _release_unused_versions(self) -> None:
         """Unload adapters (and delete files) of versions no group still to be sampled can ask for (the main
@@ -303,6 +383,10 @@ class ServerGeneration:
         if self._closed:
             return
         self._closed = True
+        try:
+            self.finish_delivery()  # its thread reads the version files deleted below
+        except Exception as error:  # noqa: BLE001 - the run is over; whatever stopped it is the error to raise
+            logger.warning("the last weight update did not reach the servers: %s", error)
         self.producer.close()
         if self.accelerator.is_main_process and self.server_process is None:
             # A server the user started outlives the run: give its adapter slots back.
@@ -316,3 +400,19 @@ class ServerGeneration:
         self._delivered.clear()
         if self.server_process is not None:
             self.server_process.stop()
+
+
+def delivers_in_background(setting: str, transport: ServerWeightTransport, num_processes: int) -> bool:
+    """``weight_delivery`` (``"auto"``, ``"background"``, ``"inline"``) for this run: whether a full-weight update's
+    servers' side runs in a thread. It can with full weights through files and one training process (with several,
+    every rank's producer holds its requests around a reload, an agreement a thread cannot take part in beside the
+    training's collectives); ``"background"`` where it cannot is refused."""
+    possible = isinstance(transport, FullWeightFilesTransport) and num_processes == 1
+    if setting == "background" and not possible:
+        raise ValueError(
+            "weight_delivery='background' runs a full-weight update's servers' side in a thread: it needs one "
+            "training process and full weights through files (vllm_server_weight_transfer='files', a policy that is "
+            f"not LoRA or vllm_sync_mode='full'); this run has {num_processes} processes and the "
+            f"{transport.name!r} transport. Set weight_delivery='auto' or 'inline'."
+        )
+    return possible and setting != "inline"

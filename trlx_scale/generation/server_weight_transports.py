@@ -148,6 +148,14 @@ class FullWeightFilesTransport:
         self._dist = DistributedBackend(accelerator)
 
     def deliver(self, model: torch.nn.Module, version: int) -> Delivery:
+        delivery = self.write(model, version)
+        if self.accelerator.is_main_process:
+            delivery.paused_seconds = self.load(version)
+        return delivery
+
+    def write(self, model: torch.nn.Module, version: int) -> Delivery:
+        """The trainer's part (every rank: gathers are collectives): ``version``'s weights as files (the main
+        process)."""
         main = self.accelerator.is_main_process
         delivery = Delivery()
         size = _model_bytes(model, self.weights_dtype)
@@ -172,9 +180,13 @@ class FullWeightFilesTransport:
                     else:
                         server_weights.write_full_weights(model, path, self.weights_dtype)
                     self.files.directories[version] = path
-        if main:
-            delivery.paused_seconds, _ = self.client.reload_weights(version, self.files.directories[version])
         return delivery
+
+    def load(self, version: int) -> float:
+        """The servers' part (the main process, no model, no collective: ``background_delivery`` runs it in a
+        thread): every server reloads ``version``'s files; returns the seconds they were paused."""
+        paused, _ = self.client.reload_weights(version, self.files.directories[version])
+        return paused
 
     def release(self, version: int) -> None:
         self.files.release(version)

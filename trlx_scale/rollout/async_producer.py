@@ -263,6 +263,15 @@ class RolloutProducer:
             self._taken_staleness = []
         return metrics
 
+    def fail(self, error: BaseException) -> None:
+        """Fail the producer from outside (a weight update that did not reach the servers): ``take`` and the other
+        waits raise ``error`` at once, and no group starts."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._lock.notify_all()
+        self._poke()
+
     @contextlib.contextmanager
     def hold_requests(self, timeout: float):
         """No new request to the servers inside the block, which starts once those at a server have returned (a

@@ -63,6 +63,7 @@ class AsyncCheckpointWindowMixin:
         engine = self.vllm_generation
         if engine is None:  # no rollout yet: nothing was sampled
             return
+        engine.finish_delivery()  # the window is the one the checkpoint's version admits once it is served
         groups, oldest = self._checkpoint_window(engine.producer)
         settings = self._window_settings(self._schedule.groups_per_version, engine.producer.next_index, oldest)
         path = os.path.join(checkpoint_dir, WINDOW_STATE_NAME.format(self.accelerator.process_index))

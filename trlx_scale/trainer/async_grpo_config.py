@@ -170,6 +170,20 @@ class AsyncGRPOConfig(GRPOConfig):
             "choices": ["drain", "keep"],
         },
     )
+    weight_delivery: str = field(
+        default="auto",
+        metadata={
+            "help": "Where a full-weight update's servers' side runs (pause, reload from the files, prefix-cache "
+            "reset, resume, the servers' probe and its check). 'inline': on the trainer's thread, which waits for "
+            "it every rollout. 'background': in a thread of its own while the trainer goes on to its next step "
+            "(which trains on groups older versions sampled); the version is published to the producer the moment "
+            "it is served and verified, and the next update, an evaluation, a checkpoint or the run's end waits "
+            "for it first; a failure stops the run at once, by name. Needs one training process and full weights "
+            "through files. 'auto': 'background' where it can run, else 'inline'. Default 'auto' by measurement: "
+            "BACKGROUND_MEASUREMENT (docs/benchmarks.md).",
+            "choices": ["auto", "background", "inline"],
+        },
+    )
     weight_sync_verify_tolerance: float | None = field(
         default=None,
         metadata={
@@ -222,6 +236,11 @@ class AsyncGRPOConfig(GRPOConfig):
                 "full_weight_reload='keep' reloads the weight files with the requests paused in place; vLLM's NCCL "
                 "transfer (vllm_server_weight_transfer='nccl') has not been run that way here: use "
                 "full_weight_reload='drain' with it."
+            )
+        if self.weight_delivery not in ("auto", "background", "inline"):
+            raise ValueError(
+                f"weight_delivery={self.weight_delivery!r}: choose 'auto', 'background' (a full-weight update's "
+                "servers' side in a thread while the trainer goes on) or 'inline' (the trainer waits for it)."
             )
         if self.vllm_server_weight_transfer not in ("files", "nccl"):
             raise ValueError(

@@ -196,7 +196,7 @@ class AsyncGRPOTrainer(
         rollout = self._current_rollout()
         # Evaluation, after step k: rollout k's weights are the trainer's current ones, sent now rather than at the
         # next rollout (the schedule is a function of the group alone: only the timing moves).
-        self.vllm_generation.ensure_version(rollout)
+        self.vllm_generation.ensure_version(rollout, wait=not self.model.training)
         if self.model.training:
             self._prompt_stream.check_rollout(rollout, inputs)
         output = super()._generate_and_score_completions(inputs)

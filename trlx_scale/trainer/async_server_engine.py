@@ -17,7 +17,7 @@ import torch
 
 from ..generation.engine import build_engine
 from ..generation.server_client import SamplingSettings, VLLMServerClient
-from ..generation.server_generation import ServerGeneration
+from ..generation.server_generation import ServerGeneration, delivers_in_background
 from ..generation.server_weight_transports import build_server_transport
 from ..generation.weight_sync import lora_ineligibility
 from ..rollout.async_producer import RolloutProducer
@@ -90,6 +90,9 @@ class AsyncServerEngineMixin:
                 client=client,
                 weights_dtype=weights_dtype,
             )
+            background_delivery = delivers_in_background(
+                args.weight_delivery, transport, self.accelerator.num_processes
+            )
         except Exception:
             if process is not None:
                 process.stop()
@@ -126,6 +129,7 @@ class AsyncServerEngineMixin:
             before_publish=self._prefetch_prompts,
             weights_dtype=weights_dtype,
             transport=transport,
+            background_delivery=background_delivery,
         )
 
     def _group_sampler(self, client: VLLMServerClient) -> Any:
