@@ -854,7 +854,7 @@ def test_background_updates_land_while_the_trainer_trains(server, default_model_
             began = time.monotonic()
             time.sleep(0.5)
             result = reload(version, path)
-            reloads.append((began, time.monotonic()))
+            reloads.append((began, time.monotonic()))  # began: after the hold, when the reload itself starts
             return result
 
         engine.client.reload_weights = slow_reload
@@ -862,22 +862,26 @@ def test_background_updates_land_while_the_trainer_trains(server, default_model_
 
     trainer._build_server_engine = build
     trainer.train()
-    assert len(reloads) == 4
-    # The first reload is inline (nothing trained yet); a loss pass ran inside each later one.
-    overlapping = [any(began < t < ended for t in trainer.loss_times) for began, ended in reloads]
-    assert overlapping == [False, True, True, True]
+    assert len(reloads) == 4 and len(trainer.loss_times) == 4
+    # Losses computed before each reload ended. Inline, update k lands before step k's loss: 0, 1, 2, 3. In the
+    # background the first is inline (nothing trained yet) and step k's loss runs while update k lands: 0, 2, 3, 4.
+    assert [sum(t < ended for t in trainer.loss_times) for _, ended in reloads] == [0, 2, 3, 4]
     assert logged(trainer, "sync/background") == [0.0, 1.0, 1.0]
     assert all(gap < 1e-3 for gap in logged(trainer, "sync/probe_logprob_gap"))
     assert logged(trainer, "async/staleness_max") == [0.0, 1.0, 2.0, 2.0]
 
 
-@pytest.mark.parametrize("delivery", ["inline", "background"])
-def test_weights_that_never_arrive_stop_the_run(server, default_model_dir, tmp_path, delivery):
-    """From step 2 on, the updates are lost on their way (the reload is skipped, as an adapter that is never
-    delivered: verl 7495). The probe after the next update finds the server still on the previous weights: the run
-    stops with an error naming the version instead of sampling from stale weights. Inline, before step 3; in the
-    background, step 3 trains on the groups version 1 sampled (max_staleness=1), and the error stops the run when
-    the trainer next needs the servers; no group of version 2 is ever sampled."""
+@pytest.mark.parametrize(
+    ("delivery", "lost_from", "stopped_at"),
+    [("inline", 2, (2,)), ("background", 2, (2, 3)), ("background", 3, (3, 4))],
+)
+def test_weights_that_never_arrive_stop_the_run(server, default_model_dir, tmp_path, delivery, lost_from, stopped_at):
+    """From step ``lost_from`` on, the updates are lost on their way (the reload is skipped, as an adapter that is
+    never delivered: verl 7495). The probe after the next update finds the server still on the previous weights: the
+    run stops with an error naming the version instead of sampling from stale weights. Inline, before the next step;
+    in the background, the next step may train on the groups the version before sampled (max_staleness=1) if they
+    were scored before the failure stopped the producer, never more, and no group of the lost version is sampled.
+    The last update (version 3, landing while the last step trains) fails the run too, at its end."""
     from transformers import TrainerCallback
 
     from trlx_scale.generation.server_generation import WeightDeliveryError
@@ -888,14 +892,15 @@ def test_weights_that_never_arrive_stop_the_run(server, default_model_dir, tmp_p
 
     class LoseUpdates(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:
+            if state.global_step == lost_from:
                 client = trainer.vllm_generation.client
                 client.reload_weights = lambda version, path: (0.0, 0.0)
 
     trainer.add_callback(LoseUpdates())
-    with pytest.raises(WeightDeliveryError, match="does not serve policy version 2"):
+    with pytest.raises(WeightDeliveryError, match=f"does not serve policy version {lost_from}"):
         trainer.train()
-    assert trainer.state.global_step == (2 if delivery == "inline" else 3)
+    assert trainer.state.global_step in stopped_at
+    assert trainer.vllm_generation is None  # closed: producer stopped
 
 
 @pytest.mark.distributed

@@ -124,10 +124,10 @@ def test_background_weight_delivery_runs_where_a_thread_can_carry_it():
     together around a reload; adapters and NCCL travel another way)."""
     from types import SimpleNamespace
 
+    from accelerate import Accelerator
+
     from trlx_scale.generation.server_generation import delivers_in_background
     from trlx_scale.generation.server_weight_transports import FullWeightFilesTransport
-
-    from accelerate import Accelerator
 
     files = FullWeightFilesTransport(accelerator=Accelerator(cpu=True), client=None)
     adapters = SimpleNamespace(name="adapter_files")
@@ -136,7 +136,9 @@ def test_background_weight_delivery_runs_where_a_thread_can_carry_it():
     assert not delivers_in_background("inline", files, num_processes=1)
     assert not delivers_in_background("auto", files, num_processes=2)
     assert not delivers_in_background("auto", adapters, num_processes=1)
-    with pytest.raises(ValueError, match="weight_delivery='background'.*this run has 2 processes.*'full_weight_files'"):
+    with pytest.raises(
+        ValueError, match="weight_delivery='background'.*this run has 2 processes.*'full_weight_files'"
+    ):
         delivers_in_background("background", files, num_processes=2)
     with pytest.raises(ValueError, match="weight_delivery='background'.*'adapter_files' transport"):
         delivers_in_background("background", adapters, num_processes=1)

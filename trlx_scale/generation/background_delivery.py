@@ -44,6 +44,11 @@ class BackgroundDelivery:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    def wait(self, timeout: float | None) -> bool:
+        """Wait at most ``timeout`` seconds (None: until it ends); whether it has ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def finish(self) -> Any:
         """Wait for the delivery; its return value, or its error raised here."""
         self._thread.join()

@@ -41,7 +41,7 @@ import torch
 from ..compat.vllm_cpu_lora_scoring import lora_breaks_prompt_logprobs
 from ..profiling.phase_timer import PhaseTimer
 from ..reliability.rank_agreement import failing_together
-from ..rollout.async_producer import GroupRequest, RolloutProducer, ScoredGroup
+from ..rollout.async_producer import GroupRequest, RolloutProducer, RolloutProducerError, ScoredGroup
 from ..rollout.carried_values import ServedCompletionIds
 from ..rollout.staleness import StalenessSchedule
 from .background_delivery import BackgroundDelivery
@@ -191,11 +191,12 @@ class ServerGeneration:
 
         self._pending = BackgroundDelivery(version, deliver, failed)
 
-    def finish_delivery(self) -> None:
-        """Wait for an update whose servers' side runs in the background; raise its error, if it failed."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+    def finish_delivery(self, timeout: float | None = None) -> None:
+        """Wait for an update whose servers' side runs in the background; raise its error, if it failed. With a
+        ``timeout`` (a preemption's grace period), an update still running then is left to land on its own."""
+        if self._pending is None or not self._pending.wait(timeout):
             return
+        pending, self._pending = self._pending, None
         paused, gap, seconds = pending.finish()
         self._served_version = pending.version
         self._release_unused_versions()
@@ -339,7 +340,12 @@ class ServerGeneration:
         ``prompt_ids``: the trainer's tokenization of each group's prompt, checked against the
         producer's (None: the rollout renders its own prompts, a ``GymRollout``)."""
         with failing_together(self.accelerator, "taking this step's rollout groups"):
-            groups = self.producer.take(count, timeout=self.request_timeout)
+            try:
+                groups = self.producer.take(count, timeout=self.request_timeout)
+            except RolloutProducerError:
+                if self._pending is not None and not self._pending.running:
+                    self.finish_delivery()  # the producer stopped because an update failed: raise that error
+                raise
             for group, row in zip(groups, prompt_ids or [], strict=False):
                 if list(row) != list(group.sampled.prompt_ids):
                     raise RuntimeError(

@@ -63,7 +63,10 @@ class AsyncCheckpointWindowMixin:
         engine = self.vllm_generation
         if engine is None:  # no rollout yet: nothing was sampled
             return
-        engine.finish_delivery()  # the window is the one the checkpoint's version admits once it is served
+        # The window is the one the checkpoint's version admits once it is served; a preemption waits for the update
+        # at most what is left of its grace period (one still landing then: its groups are sampled again on resume).
+        since = self._seconds_since_preemption()
+        engine.finish_delivery(None if since is None else max(0.0, self.args.preemption_grace_period - since))
         groups, oldest = self._checkpoint_window(engine.producer)
         settings = self._window_settings(self._schedule.groups_per_version, engine.producer.next_index, oldest)
         path = os.path.join(checkpoint_dir, WINDOW_STATE_NAME.format(self.accelerator.process_index))

@@ -277,7 +277,10 @@ class AsyncGRPOTrainer(
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
         self._inside_train = True
         try:
-            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+            output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+            if self.vllm_generation is not None:
+                self.vllm_generation.finish_delivery()  # the last update failing fails the run, as inline
+            return output
         finally:
             self._inside_train = False
             self.close_generation()
