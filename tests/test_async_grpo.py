@@ -138,9 +138,7 @@ def test_staleness_is_bounded_and_every_version_verified(default_model_dir, tmp_
     trainer.train()
     assert logged(trainer, "async/staleness_max") == [0.0, 1.0, 2.0, 2.0]
     assert all(gap < 1e-3 for gap in logged(trainer, "sync/probe_logprob_gap"))
-    # One process, full weights: each update after the first lands in the background (weight_delivery="auto") and
-    # is logged at the next rollout; the last one lands after the last step (checked when the engine closes).
-    assert logged(trainer, "sync/background") == [0.0, 1.0, 1.0]
+    assert len(logged(trainer, "sync/probe_logprob_gap")) == 4
     assert seen_versions == [(step, [max(0, step - 2)] * 8) for step in range(4)]
     assert weights_dtypes == [torch.float32] * 4  # the server it started: full weights written in its dtype
     assert len(logged(trainer, "async/sampler_trainer_kl")) == 4
@@ -601,8 +599,7 @@ def test_replicas_share_the_groups_and_every_update(server, default_model_dir, t
         )
         trainer.train()
         served = [_finished_requests(url) - count for url, count in zip(urls, before, strict=True)]
-    # The last update lands in the background after the last step: verified when the engine closes, not logged.
-    assert len(logged(trainer, "sync/probe_logprob_gap")) == 3
+    assert len(logged(trainer, "sync/probe_logprob_gap")) == 4
     assert all(gap < 1e-3 for gap in logged(trainer, "sync/probe_logprob_gap"))
     assert logged(trainer, "async/staleness_max") == [0.0, 1.0, 1.0, 1.0]
     # 8 groups trained (2 per step), 4 per replica, plus 4 probes each; a group is one request of n=4 (counted once
@@ -767,11 +764,16 @@ def test_a_kept_reload_does_not_wait_for_the_requests_in_flight(server, default_
     assert len(drained.prompt_logprobs([1, 5, 6, 7], 0)[0]) == 3
 
 
-def test_kept_reloads_train_with_every_tokens_policy_version(server, default_model_dir, tmp_path):
+@pytest.mark.parametrize("delivery", ["inline", "background"])
+def test_kept_reloads_train_with_every_tokens_policy_version(server, default_model_dir, tmp_path, delivery):
     """The trainer with full_weight_reload='keep' at max_staleness=2: no request hold around a reload, every
     token's policy version reaches the batch (a row's version is its oldest token's, none newer than the trainer's),
     the share of tokens a reload reached mid-completion is logged, and every update is verified as before."""
-    trainer = _async(tmp_path, default_model_dir, server, max_staleness=2, full_weight_reload="keep")
+    # In the background the probe still runs alone on vLLM's CPU build: the kept requests count for its hold (one
+    # batched with the probe kills a LoRA-enabled engine, and with it every later test on this server).
+    trainer = _async(
+        tmp_path, default_model_dir, server, max_staleness=2, full_weight_reload="keep", weight_delivery=delivery
+    )
     seen = []
     original = trainer._finish_rollout
 
@@ -788,7 +790,8 @@ def test_kept_reloads_train_with_every_tokens_policy_version(server, default_mod
         assert bool((tokens >= rows[:, None]).all()) and bool((tokens <= policy_version).all())
     shares = logged(trainer, "async/tokens_after_update_frac")
     assert len(shares) == 4 and all(0.0 <= share <= 1.0 for share in shares)
-    assert len(logged(trainer, "sync/probe_logprob_gap")) == 3  # the last update's lands after the last step
+    # In the background the last update lands after the last step: checked when train() ends, not logged.
+    assert len(logged(trainer, "sync/probe_logprob_gap")) == (4 if delivery == "inline" else 3)
     assert all(gap < 1e-3 for gap in logged(trainer, "sync/probe_logprob_gap"))
 
 
@@ -816,9 +819,7 @@ def test_a_server_that_dies_mid_run_stops_the_run_with_its_exit(default_model_di
     ):
         trainer.train()
     assert time.monotonic() - began < 120
-    # The update after step 2 goes in the background: the reload fails there and stops the producer; step 3 may
-    # still train on the groups version 1 sampled before the kill, never on more.
-    assert trainer.state.global_step in (2, 3)
+    assert trainer.state.global_step == 2
     assert not killed["process"].alive()
 
 
@@ -831,7 +832,7 @@ class _LossTimes(AsyncGRPOTrainer):
 
 
 def test_background_updates_land_while_the_trainer_trains(server, default_model_dir, tmp_path):
-    """One process, full weights, max_staleness=2 (weight_delivery="auto": background): the servers' side of every
+    """One process, full weights, max_staleness=2, weight_delivery="background": the servers' side of every
     update after the first (made 0.5 s slower here) runs while the trainer computes its next loss, which needs
     groups older versions sampled; each version still reaches the producer verified (every logged probe gap small,
     staleness as scheduled)."""
@@ -840,7 +841,12 @@ def test_background_updates_land_while_the_trainer_trains(server, default_model_
         model=default_model_dir,
         reward_funcs=exact_match_reward,
         args=small_grpo_config(
-            tmp_path / "timed", AsyncGRPOConfig, vllm_server_base_url=server.url, max_staleness=2, max_steps=4
+            tmp_path / "timed",
+            AsyncGRPOConfig,
+            vllm_server_base_url=server.url,
+            max_staleness=2,
+            max_steps=4,
+            weight_delivery="background",
         ),
         train_dataset=addition_dataset("train", size=64),
     )

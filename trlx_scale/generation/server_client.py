@@ -258,7 +258,10 @@ class VLLMServerClient:
         body = generate_body(
             self.model, prompt_ids, n=request.num_generations, seed=request.seed, sampling=self.sampling.body()
         )
-        answer = await self._post_completion(url, body, f"group {request.index}", path=GENERATE_PATH)
+        # Counted by the gate although no reload holds it: the probe's hold (vLLM's CPU build, a LoRA-enabled
+        # engine: compat.vllm_cpu_lora_scoring) must wait for it, or the probe is batched with it and kills the engine.
+        async with self.gate.request():
+            answer = await self._post_completion(url, body, f"group {request.index}", path=GENERATE_PATH)
         choices = sorted((read_choice(choice) for choice in answer["choices"]), key=lambda choice: choice.index)
         versions = [choice.token_versions for choice in choices]
         return SampledGroup(
@@ -290,7 +293,8 @@ class VLLMServerClient:
             body = generate_body(
                 self.model, prompt_ids, n=1, seed=seed, sampling={**sampling, "max_tokens": max_tokens}
             )
-            answer = await self._post_completion(url, body, "a trajectory's turn", path=GENERATE_PATH)
+            async with self.gate.request():  # counted for the probe's hold, as a group's request (above)
+                answer = await self._post_completion(url, body, "a trajectory's turn", path=GENERATE_PATH)
             choice = read_choice(answer["choices"][0])
             finish = "length" if choice.finish_reason == "length" else "stop"
             # The turn's oldest token's version: a turn a reload cut through counts as the older weights'.

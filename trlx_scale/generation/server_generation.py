@@ -176,13 +176,17 @@ class ServerGeneration:
         previous, self._last_probe = self._last_probe, current
         if self.before_publish is not None:
             self.before_publish(version)  # prefetched only: no group of the version starts before it is published
-        hold = self.sync_mode == "full" and not self.client.keep_requests_on_reload
-        hold = hold or lora_breaks_prompt_logprobs(running_on_cpu_only())
+        drain = not self.client.keep_requests_on_reload  # full weights here: "drain" holds around the reload
+        probe_alone = lora_breaks_prompt_logprobs(running_on_cpu_only())
+
+        def held(needed: bool):
+            return self.producer.hold_requests(timeout=self.request_timeout) if needed else contextlib.nullcontext()
 
         def deliver() -> tuple[float, float, float]:
-            with self.producer.hold_requests(timeout=self.request_timeout) if hold else contextlib.nullcontext():
+            with held(drain):
                 paused = self.transport.load(version)
-                gap = self._check_served_probe(version, current, previous)
+                with held(probe_alone and not drain):  # "keep" on vLLM's CPU build: the probe alone, as inline
+                    gap = self._check_served_probe(version, current, previous)
             self.producer.publish_version(version)  # its groups start now, while the trainer trains
             return paused, gap, time.perf_counter() - began
 

@@ -171,7 +171,7 @@ class AsyncGRPOConfig(GRPOConfig):
         },
     )
     weight_delivery: str = field(
-        default="auto",
+        default="inline",
         metadata={
             "help": "Where a full-weight update's servers' side runs (pause, reload from the files, prefix-cache "
             "reset, resume, the servers' probe and its check). 'inline': on the trainer's thread, which waits for "
@@ -179,12 +179,11 @@ class AsyncGRPOConfig(GRPOConfig):
             "(which trains on groups older versions sampled); the version is published to the producer the moment "
             "it is served and verified, and the next update, an evaluation, a checkpoint or the run's end waits "
             "for it first; a failure stops the run at once, by name. Needs one training process and full weights "
-            "through files. 'auto': 'background' where it can run, else 'inline'. Default 'auto' by measurement on "
-            "this project's 2-core CPU machine (one process, full weights, medians of 3): without reward latency "
-            "0.58-0.70x the synchronous trainer against 0.52-0.60x inline (1.10x inline's samples per second, "
-            "median of the nine paired runs); with a 1 s reward equal within noise (1.01x; 2.22x the synchronous "
-            "trainer at max_staleness=2 against 2.43x inline, 1.69x/1.68x at 1, 2.74x/2.63x at 4) "
-            "(docs/benchmarks.md).",
+            "through files. 'auto': 'background' where it can run, else 'inline'. Measured on this project's 2-core "
+            "CPU machine (one process, full weights, medians of 3): background made 1.10x inline's samples per "
+            "second without reward latency (median of nine paired runs) and 1.01x with a 1 s reward "
+            "(docs/benchmarks.md). Default 'inline' until background has passed the full suite as the default: its "
+            "one full run as the default met a race (a keep-mode request unseen by the probe's hold, fixed since).",
             "choices": ["auto", "background", "inline"],
         },
     )
