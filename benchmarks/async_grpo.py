@@ -206,7 +206,7 @@ def run_server_config(
     return cli.samples_per_step * (len(ends) - 3) / (ends[-1] - ends[2])
 
 
-def _run_in_subprocess(cli, kind, staleness, latency, url, seed, workdir, delivery="auto") -> float:
+def _run_in_subprocess(cli, kind, staleness, latency, url, seed, workdir, delivery="inline") -> float:
     """One setting in a process of its own, each trainer with its own best thread setting: the asynchronous one
     with OpenMP threads that sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``, what its example sets: on CPU
     it shares the cores with the server), the synchronous one with OpenMP's default (it has the cores to itself)."""
@@ -232,7 +232,7 @@ def run_server(cli) -> None:
     from trlx_scale.tasks import default_model_path
 
     # Each asynchronous setting once per --weight-delivery mode (named in the table when there are several).
-    settings = [("sync", 0, "auto")] + [
+    settings = [("sync", 0, "inline")] + [
         ("async", s, delivery) for s in cli.staleness if s > 0 for delivery in cli.weight_delivery
     ]
     results: dict[tuple, list[float]] = {}
@@ -263,7 +263,7 @@ def run_server(cli) -> None:
     print("|---|---|---|" + ("---|" if several else "") + "---|---|")
     summary = {}
     for latency in cli.reward_latency:
-        syncs = results[(latency, "sync", 0, "auto")]
+        syncs = results[(latency, "sync", 0, "inline")]
         for kind, staleness, delivery in settings:
             rates = results[(latency, kind, staleness, delivery)]
             ratios = [rate / sync for rate, sync in zip(rates, syncs, strict=True)]
@@ -391,9 +391,10 @@ def main() -> None:
     parser.add_argument(
         "--weight-delivery",
         nargs="+",
-        default=["auto"],
+        default=["inline"],
         choices=["auto", "background", "inline"],
-        help="--server: each asynchronous setting once per AsyncGRPOConfig.weight_delivery mode listed",
+        help="--server: each asynchronous setting once per AsyncGRPOConfig.weight_delivery mode listed (default: "
+        "the config's default, inline)",
     )
     parser.add_argument("--one-server-config", nargs=6, default=None, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--repeats", type=int, default=5)
