@@ -391,10 +391,10 @@ def main() -> None:
     parser.add_argument(
         "--weight-delivery",
         nargs="+",
-        default=["inline"],
+        default=["auto"],
         choices=["auto", "background", "inline"],
         help="--server: each asynchronous setting once per AsyncGRPOConfig.weight_delivery mode listed (default: "
-        "the config's default, inline)",
+        "the config's default, auto: background with one process and full weights)",
     )
     parser.add_argument("--one-server-config", nargs=6, default=None, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--repeats", type=int, default=5)

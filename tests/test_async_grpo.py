@@ -138,7 +138,9 @@ def test_staleness_is_bounded_and_every_version_verified(default_model_dir, tmp_
     trainer.train()
     assert logged(trainer, "async/staleness_max") == [0.0, 1.0, 2.0, 2.0]
     assert all(gap < 1e-3 for gap in logged(trainer, "sync/probe_logprob_gap"))
-    assert len(logged(trainer, "sync/probe_logprob_gap")) == 4
+    # One process, full weights: each update after the first lands in the background (weight_delivery="auto") and
+    # is logged at the next rollout; the last one lands after the last step (checked when train() ends).
+    assert logged(trainer, "sync/background") == [0.0, 1.0, 1.0]
     assert seen_versions == [(step, [max(0, step - 2)] * 8) for step in range(4)]
     assert weights_dtypes == [torch.float32] * 4  # the server it started: full weights written in its dtype
     assert len(logged(trainer, "async/sampler_trainer_kl")) == 4
@@ -599,7 +601,8 @@ def test_replicas_share_the_groups_and_every_update(server, default_model_dir, t
         )
         trainer.train()
         served = [_finished_requests(url) - count for url, count in zip(urls, before, strict=True)]
-    assert len(logged(trainer, "sync/probe_logprob_gap")) == 4
+    # The last update lands in the background after the last step: verified when train() ends, not logged.
+    assert len(logged(trainer, "sync/probe_logprob_gap")) == 3
     assert all(gap < 1e-3 for gap in logged(trainer, "sync/probe_logprob_gap"))
     assert logged(trainer, "async/staleness_max") == [0.0, 1.0, 1.0, 1.0]
     # 8 groups trained (2 per step), 4 per replica, plus 4 probes each; a group is one request of n=4 (counted once
@@ -819,7 +822,9 @@ def test_a_server_that_dies_mid_run_stops_the_run_with_its_exit(default_model_di
     ):
         trainer.train()
     assert time.monotonic() - began < 120
-    assert trainer.state.global_step == 2
+    # The update after step 2 goes in the background (weight_delivery="auto"): the reload fails there and stops the
+    # producer; step 3 may still train on the groups version 1 sampled before the kill, never on more.
+    assert trainer.state.global_step in (2, 3)
     assert not killed["process"].alive()
 
 

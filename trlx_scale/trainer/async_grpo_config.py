@@ -171,7 +171,7 @@ class AsyncGRPOConfig(GRPOConfig):
         },
     )
     weight_delivery: str = field(
-        default="inline",
+        default="auto",
         metadata={
             "help": "Where a full-weight update's servers' side runs (pause, reload from the files, prefix-cache "
             "reset, resume, the servers' probe and its check). 'inline': on the trainer's thread, which waits for "
@@ -182,8 +182,7 @@ class AsyncGRPOConfig(GRPOConfig):
             "through files. 'auto': 'background' where it can run, else 'inline'. Measured on this project's 2-core "
             "CPU machine (one process, full weights, medians of 3): background made 1.10x inline's samples per "
             "second without reward latency (median of nine paired runs) and 1.01x with a 1 s reward "
-            "(docs/benchmarks.md). Default 'inline' until background has passed the full suite as the default: its "
-            "one full run as the default met a race (a keep-mode request unseen by the probe's hold, fixed since).",
+            "(docs/benchmarks.md), hence the default 'auto'.",
             "choices": ["auto", "background", "inline"],
         },
     )
