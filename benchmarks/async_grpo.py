@@ -9,6 +9,12 @@ ratio to synchronous.
 
     python benchmarks/async_grpo.py --server --repeats 3
 
+``--processes N`` runs each setting under ``accelerate launch`` with N training processes
+(configs/accelerate/cpu_ddp.yaml), each training ``--samples-per-step`` a step; ``--weight-delivery`` lists the
+``AsyncGRPOConfig.weight_delivery`` modes to compare, interleaved:
+
+    python benchmarks/async_grpo.py --server --processes 2 --weight-delivery inline background --reward-latency 0
+
 ``--learning``: held-out accuracy of the embedded task after the same number of samples (``--learning-steps``
 steps of the example's 128 samples) at ``max_staleness`` 0, 1, 4 with the off-policy correction on and off, and
 synchronous ``GRPOTrainer``; seeds ``--seeds``; the example's settings otherwise.
@@ -159,7 +165,10 @@ def run_server_config(
     from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
     from trlx_scale.tasks import addition_dataset, default_model_path
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # --processes: each rank trains samples_per_step a step
+    launched = dict(use_cpu=True, ddp_backend="gloo") if world > 1 else {}  # as the examples do on CPU
     common = dict(
+        **launched,
         output_dir=os.path.join(workdir, f"{kind}-{max_staleness}-{latency}"),
         per_device_train_batch_size=cli.samples_per_step,
         num_generations=8,
@@ -203,7 +212,7 @@ def run_server_config(
     ends = clock.ends
     del trainer
     gc.collect()
-    return cli.samples_per_step * (len(ends) - 3) / (ends[-1] - ends[2])
+    return world * cli.samples_per_step * (len(ends) - 3) / (ends[-1] - ends[2])
 
 
 def _run_in_subprocess(cli, kind, staleness, latency, url, seed, workdir, delivery="inline") -> float:
@@ -216,9 +225,20 @@ def _run_in_subprocess(cli, kind, staleness, latency, url, seed, workdir, delive
     env.update(TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1")
     if kind == "async":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    command = [sys.executable, os.path.abspath(__file__), "--one-server-config", kind, str(staleness), str(latency)]
+    launcher = [sys.executable]
+    if cli.processes > 1:  # under accelerate launch, as a user runs it (configs/accelerate/cpu_ddp.yaml)
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "accelerate")
+        launcher += ["-m", "accelerate.commands.launch", "--config_file", os.path.join(config, "cpu_ddp.yaml")]
+        launcher += ["--num_processes", str(cli.processes), "--main_process_port", str(port)]
+    command = [*launcher, os.path.abspath(__file__), "--one-server-config", kind, str(staleness), str(latency)]
     command += [url, str(seed), workdir, "--server-steps", str(cli.server_steps)]
     command += ["--samples-per-step", str(cli.samples_per_step), "--weight-delivery", delivery]
+    command += ["--processes", str(cli.processes)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} s={staleness} latency={latency} failed:\n{done.stderr[-4000:]}")
@@ -251,8 +271,8 @@ def run_server(cli) -> None:
                         file=sys.stderr,
                     )
     print(
-        f"server: embedded model, LoRA r64, {cli.samples_per_step} samples/step (G=8), {cli.server_steps} steps (3..N "
-        f"timed), medians of {cli.repeats}"
+        f"server: embedded model, LoRA r64, {cli.samples_per_step} samples/step (G=8) on each of {cli.processes} "
+        f"training process(es), {cli.server_steps} steps (3..N timed), medians of {cli.repeats}"
     )
     several = len(cli.weight_delivery) > 1
     print(
@@ -396,6 +416,13 @@ def main() -> None:
         help="--server: each asynchronous setting once per AsyncGRPOConfig.weight_delivery mode listed (default: "
         "the config's default, auto: background with one process and full weights)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="--server: training processes of each run (accelerate launch with configs/accelerate/cpu_ddp.yaml; "
+        "each trains --samples-per-step a step, the synchronous ones each with its colocated engine)",
+    )
     parser.add_argument("--one-server-config", nargs=6, default=None, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
@@ -410,11 +437,11 @@ def main() -> None:
     if cli.one_server_config:
         kind, staleness, latency, url, seed, workdir = cli.one_server_config
         overrides = {"weight_delivery": cli.weight_delivery[0]} if kind == "async" else None
-        print(
-            run_server_config(
-                cli, kind, int(staleness), float(latency), url, int(seed), workdir, async_overrides=overrides
-            )
+        rate = run_server_config(
+            cli, kind, int(staleness), float(latency), url, int(seed), workdir, async_overrides=overrides
         )
+        if int(os.environ.get("RANK", "0")) == 0:  # the whole run's samples per second, once
+            print(rate)
         return
     if cli.server:
         run_server(cli)

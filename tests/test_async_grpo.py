@@ -77,13 +77,14 @@ def _async(
     peft_config=None,
     train_size=64,
     reward_funcs=exact_match_reward,
+    trainer_class=AsyncGRPOTrainer,
     **overrides,
 ):
     if server is not None:
         overrides.setdefault("vllm_server_base_url", server.url)
     overrides.setdefault("max_steps", 4)
     args = small_grpo_config(tmp_path / "async", AsyncGRPOConfig, **overrides)
-    return AsyncGRPOTrainer(
+    return trainer_class(
         model=default_model_dir,
         reward_funcs=reward_funcs,
         args=args,
@@ -842,18 +843,8 @@ def test_background_updates_land_while_the_trainer_trains(server, default_model_
     groups older versions sampled; each version still reaches the producer verified (every logged probe gap small,
     staleness as scheduled)."""
     reloads = []
-    trainer = _LossTimes(
-        model=default_model_dir,
-        reward_funcs=exact_match_reward,
-        args=small_grpo_config(
-            tmp_path / "timed",
-            AsyncGRPOConfig,
-            vllm_server_base_url=server.url,
-            max_staleness=2,
-            max_steps=4,
-            weight_delivery="background",
-        ),
-        train_dataset=addition_dataset("train", size=64),
+    trainer = _async(
+        tmp_path, default_model_dir, server, max_staleness=2, weight_delivery="background", trainer_class=_LossTimes
     )
     original = trainer._build_server_engine
 
@@ -922,7 +913,9 @@ def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(se
     applied (the main process's verification fails), the server gone. Before, the rank that did not fail waited in
     the next collective (a barrier, a ZeRO-3 gather, the gradients' all-reduce) until its timeout. Now every rank
     raises the same error (RankFailureError; for the reward, the guard's RewardFunctionError), naming the failing rank
-    and its error, seconds after the injection (request_timeout is 300 s: no wait for it).
+    and its error, seconds after the injection (request_timeout is 300 s: no wait for it). The two weight faults
+    again with weight_delivery="background", where the main process's delivery thread meets them while both
+    trainers train, after a clean background run (its threads agreeing through the store) that trains to the end.
 
     Between them, a LoRA policy with adapter-only sync: each sync gathers the adapter's bytes on each rank and
     nothing more (it gathered the whole model), while the full-weight runs gather the whole model."""
@@ -952,8 +945,18 @@ def test_a_fault_on_one_rank_or_at_the_server_stops_every_rank_within_seconds(se
         "producer_rank1": ("RankFailureError", "rank 1", "rank 1 has no prompt for group"),
         "server_500": ("RankFailureError", "rank 0", "500"),
         "lost_update": ("RankFailureError", "rank 0", "does not serve policy version"),
+        "server_500_background": ("RankFailureError", "rank 0", "500"),
+        "lost_update_background": ("RankFailureError", "rank 0", "does not serve policy version"),
         "server_dead": ("RankFailureError", "rank", ""),
     }
+    background = [rank.pop(5) for rank in ranks]
+    for outcome in background:  # every update after the first landed in the background, verified, on both ranks
+        assert outcome["fault"] == "background" and outcome["error"] is None and outcome["steps"] == 6, outcome
+        # Logged at the rollout after it lands; the last one lands after the last step (checked, not logged).
+        assert outcome["background"] == [0.0] + [1.0] * 4, outcome
+        assert outcome["staleness"] == [0.0] + [1.0] * 5, outcome
+    gaps = background[0]["probe_gaps"]  # the main process's checks
+    assert len(gaps) == 5 and all(gap < 1e-3 for gap in gaps), gaps
     lora = [rank.pop(4) for rank in ranks]
     for outcome in lora:
         assert outcome["fault"] == "lora_sync" and outcome["error"] is None and outcome["steps"] == 3, outcome
@@ -1009,13 +1012,16 @@ def test_preempted_async_run_saves_its_window_and_resumes_exactly(server, tmp_pa
 
 
 @pytest.mark.distributed
-def test_a_preempted_save_does_not_wait_past_its_grace_period(server, tmp_path):
+@pytest.mark.parametrize("delivery", ["inline", "background"])
+def test_a_preempted_save_does_not_wait_past_its_grace_period(server, tmp_path, delivery):
     """2 processes; rank 1's verifier takes a minute from group 3 on, so when SIGTERM comes after step 2 (max_staleness
     1) rank 1's window (group 3, sampled by version 2) cannot complete. With preemption_grace_period=1 the save
     waits one second, then every rank saves an empty window (the ranks' schedules must agree), the requests and the
     scoring in flight are cancelled, and the run exits with 75 within seconds, not after the minute (nor
     request_timeout's 300 s). The resumed run samples group 3 again from the checkpoint's weights: fresher
-    (staleness 0 at the step after the checkpoint, 1 in the interrupted run's schedule), and it finishes."""
+    (staleness 0 at the step after the checkpoint, 1 in the interrupted run's schedule), and it finishes. With
+    weight_delivery="background" the save also waits for the update in flight within the grace period, the ranks
+    agreeing on whether it landed."""
     from trlx_scale.reliability.preemption import PREEMPTED_EXIT_CODE
     from trlx_scale.rollout.rollout_window import load_window
 
@@ -1025,7 +1031,7 @@ def test_a_preempted_save_does_not_wait_past_its_grace_period(server, tmp_path):
     slow = ["--slow_groups_from", "3", "--slow_rank", "1", "--preemption_grace_period", "1"]
     # Steps of 1.5 s at least: the signal, sent right after step 2, lands inside step 3 (a signal that came after
     # step 3's end would be acted on at step 4's, which waits for group 3's minute-long scoring first).
-    slow += ["--slow_steps", "1.5"]
+    slow += ["--slow_steps", "1.5", "--weight_delivery", delivery]
     code, output, finished, seconds = signal_once_progressed(
         _interrupted_async(tmp_path / "run", server, "--pid_dir", str(pids), *slow, processes=2),
         pids,
@@ -1047,7 +1053,9 @@ def test_a_preempted_save_does_not_wait_past_its_grace_period(server, tmp_path):
     for rank in range(2):
         settings, groups = load_window(str(checkpoint / f"async_rollout_window_rank{rank}.pt"))
         assert groups == [] and settings["oldest_version"] == finished, (rank, settings)
-    resumed = run_result(_interrupted_async(tmp_path / "run", server, "--resume", processes=2))
+    resumed = run_result(
+        _interrupted_async(tmp_path / "run", server, "--resume", "--weight_delivery", delivery, processes=2)
+    )
     assert resumed["trained_steps"] == list(range(finished + 1, 6))
     assert resumed["staleness"][str(finished + 1)] == 0.0
 

@@ -12,6 +12,10 @@ Faults (the proxy is tests/helpers/fault_proxy.py, in front of a real vLLM serve
   server_500         the server answers HTTP 500 to the weight update (only the main process sends it)
   lost_update        the weight update is acknowledged but never applied (the main process's verification fails)
   lora_sync          no fault: a LoRA policy whose adapter alone goes to the server (sync/gathered_bytes)
+  background         no fault: full-weight updates delivered in the background (weight_delivery="background"),
+                     every rank's thread agreeing through the store (generation/delivery_rendezvous.py)
+  server_500_background, lost_update_background
+                     the two weight faults again, met by the main process's delivery thread while the trainers train
   server_dead        the server is gone mid-run (nothing listens any more)
 """
 
@@ -33,7 +37,17 @@ from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from trlx_scale.process_exit import run_then_exit  # noqa: E402
 from trlx_scale.tasks import addition_dataset, default_model_path, exact_match_reward  # noqa: E402
 
-FAULTS = ("reward_rank1", "producer_rank1", "server_500", "lost_update", "lora_sync", "server_dead")
+FAULTS = (
+    "reward_rank1",
+    "producer_rank1",
+    "server_500",
+    "lost_update",
+    "lora_sync",
+    "background",
+    "server_500_background",
+    "lost_update_background",
+    "server_dead",
+)
 RANK = int(os.environ.get("RANK", "0"))
 ARMED = {"fault": None}  # the fault now active in this process
 BASE = {"path": None}
@@ -61,7 +75,9 @@ class InjectAfterStep2(TrainerCallback):
             return
         self.armed_at["t"] = time.monotonic()
         ARMED["fault"] = self.fault
-        mode = {"server_500": "500_on_weights", "lost_update": "drop_weights", "server_dead": "dead"}.get(self.fault)
+        mode = {"server_500": "500_on_weights", "lost_update": "drop_weights", "server_dead": "dead"}.get(
+            self.fault.removesuffix("_background")
+        )
         if mode and RANK == 0:
             httpx.post(f"{self.proxy}/_fault/{mode}", timeout=10).raise_for_status()
 
@@ -104,6 +120,7 @@ def run(fault: str, proxy: str, output_dir: str) -> dict:
         vllm_server_base_url=proxy,
         use_cpu=True,  # as examples/async_grpo.py does under configs/accelerate/cpu_ddp.yaml
         ddp_backend="gloo",
+        weight_delivery="background" if fault.endswith("background") else "inline",
         **lora,
     )
     trainer = FaultyTrainer(
@@ -111,7 +128,7 @@ def run(fault: str, proxy: str, output_dir: str) -> dict:
         reward_funcs=[exact_match_reward, reward_that_fails_on_rank1],
         args=args,
         train_dataset=addition_dataset("train", size=128),
-        callbacks=[] if lora else [InjectAfterStep2(fault, proxy, armed_at)],
+        callbacks=[] if lora or fault == "background" else [InjectAfterStep2(fault, proxy, armed_at)],
         peft_config=LoraConfig(r=8, target_modules=["q_proj", "v_proj"]) if lora else None,
     )
     outcome = {"fault": fault, "rank": RANK}
@@ -126,6 +143,13 @@ def run(fault: str, proxy: str, output_dir: str) -> dict:
             traceback=traceback.format_exc()[-3000:],
         )
     outcome["steps"] = trainer.state.global_step
+    outcome["background"] = [log["sync/background"] for log in trainer.state.log_history if "sync/background" in log]
+    outcome["probe_gaps"] = [
+        log["sync/probe_logprob_gap"] for log in trainer.state.log_history if "sync/probe_logprob_gap" in log
+    ]
+    outcome["staleness"] = [
+        log["async/staleness_max"] for log in trainer.state.log_history if "async/staleness_max" in log
+    ]
     outcome["gathered_bytes"] = [
         log["sync/gathered_bytes"] for log in trainer.state.log_history if "sync/gathered_bytes" in log
     ]

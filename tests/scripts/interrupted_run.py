@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--preemption_grace_period", type=float, default=20.0)
     parser.add_argument("--slow_groups_from", type=int, default=None)
     parser.add_argument("--slow_rank", type=int, default=0)
+    parser.add_argument("--weight_delivery", default="auto")
     cli = parser.parse_args()
     asynchronous = {}
     if cli.async_server:
@@ -150,6 +151,7 @@ def main() -> None:
             max_staleness=cli.max_staleness,
             preemption_grace_period=cli.preemption_grace_period,
             request_timeout=300,
+            weight_delivery=cli.weight_delivery,
         )
     args = (AsyncGRPOConfig if asynchronous else GRPOConfig)(
         output_dir=cli.output_dir,

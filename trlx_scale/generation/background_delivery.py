@@ -44,6 +44,12 @@ class BackgroundDelivery:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def error(self) -> BaseException | None:
+        """What the delivery raised (None while it runs well, or if it landed). Set before ``on_error`` is called,
+        so a waiter that ``on_error`` wakes finds it."""
+        return self._error
+
     def wait(self, timeout: float | None) -> bool:
         """Wait at most ``timeout`` seconds (None: until it ends); whether it has ended."""
         self._thread.join(timeout)

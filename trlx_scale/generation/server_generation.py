@@ -46,6 +46,7 @@ from ..rollout.carried_values import ServedCompletionIds
 from ..rollout.staleness import StalenessSchedule
 from .background_delivery import BackgroundDelivery
 from .cpu_environment import running_on_cpu_only
+from .delivery_rendezvous import DeliveryRendezvous
 from .rollout_seeds import RolloutSeedContext, request_seed
 from .server_client import ServerError, VLLMServerClient
 from .server_weight_transports import FullWeightFilesTransport, ServerWeightTransport, build_server_transport
@@ -101,6 +102,12 @@ class ServerGeneration:
         self.sync_mode = "lora" if client.lora else "full"
         self.background_delivery = background_delivery
         self._pending: BackgroundDelivery | None = None  # an update whose server side is still running
+        # Several processes: where their delivery threads agree on each update (every rank builds this object at
+        # the same point: the store's port is broadcast). Each stage (a hold, the reload, the probe) is an HTTP
+        # wait bounded by request_timeout.
+        self._rendezvous = (
+            DeliveryRendezvous.create(accelerator, timeout=request_timeout + 60) if background_delivery else None
+        )
         self._served_version: int | None = None
         self.phase_timer = PhaseTimer(enabled=False)
         self.excluded_parameter_prefixes: tuple[str, ...] = ()
@@ -171,7 +178,8 @@ class ServerGeneration:
         admits: model, collectives and tokenizer stay on this thread), the servers' part in a thread
         (``background_delivery``), which publishes the version to the producer once it is served and verified."""
         began = time.perf_counter()
-        self._send_files(version)
+        with failing_together(self.accelerator, f"writing policy version {version}'s weights for the servers"):
+            self._send_files(version)
         current = self._trainer_probe_logprobs()
         previous, self._last_probe = self._last_probe, current
         if self.before_publish is not None:
@@ -182,30 +190,82 @@ class ServerGeneration:
         def held(needed: bool):
             return self.producer.hold_requests(timeout=self.request_timeout) if needed else contextlib.nullcontext()
 
-        def deliver() -> tuple[float, float, float]:
-            with held(drain):
-                paused = self.transport.load(version)
-                with held(probe_alone and not drain):  # "keep" on vLLM's CPU build: the probe alone, as inline
-                    gap = self._check_served_probe(version, current, previous)
+        def deliver() -> tuple[float, float | None, float]:
+            if self._rendezvous is None:
+                with held(drain):
+                    paused = self.transport.load(version)
+                    with held(probe_alone and not drain):  # "keep" on vLLM's CPU build: the probe alone, as inline
+                        gap = self._check_served_probe(version, current, previous)
+            else:
+                paused, gap = deliver_agreed(held(drain or probe_alone))
             self.producer.publish_version(version)  # its groups start now, while the trainer trains
             return paused, gap, time.perf_counter() - began
+
+        def deliver_agreed(hold) -> tuple[float, float | None]:
+            """Several processes (``delivery_rendezvous``): every rank holds from before the reload until the main
+            process has verified it (each rank's hold is its own thread's), then each learns the outcome."""
+            rendezvous = self._rendezvous
+            with contextlib.ExitStack() as holding:
+                try:
+                    holding.enter_context(hold)
+                except BaseException as error:
+                    rendezvous.report_held(version, error)
+                    if self.accelerator.is_main_process:  # no reload then: the others wait for this outcome
+                        rendezvous.announce(version, error)
+                    raise
+                rendezvous.report_held(version, None)
+                if not self.accelerator.is_main_process:
+                    rendezvous.wait_for_outcome(version)
+                    self.client.record_update(version)  # the main process updated the servers for every rank
+                    return 0.0, None
+                try:
+                    rendezvous.wait_until_every_rank_holds(version)
+                    paused = self.transport.load(version)
+                    gap = self._check_served_probe(version, current, previous)
+                except BaseException as error:
+                    rendezvous.announce(version, error)
+                    raise
+                rendezvous.announce(version, None)
+                return paused, gap
 
         def failed(error: BaseException) -> None:
             self.producer.fail(error)  # a trainer waiting for groups hears of it now
 
         self._pending = BackgroundDelivery(version, deliver, failed)
 
-    def finish_delivery(self, timeout: float | None = None) -> None:
-        """Wait for an update whose servers' side runs in the background; raise its error, if it failed. With a
-        ``timeout`` (a preemption's grace period), an update still running then is left to land on its own."""
-        if self._pending is None or not self._pending.wait(timeout):
+    def finish_delivery(self, timeout: float | None = None, together: bool = True) -> None:
+        """Wait for an update whose servers' side runs in the background; raise its error, if it failed (the same
+        error on every rank). With a ``timeout`` (a preemption's grace period), an update still running then on
+        any rank is left to land on its own. Every rank calls it at the same point, unless not ``together`` (the
+        run's close, which may come from one rank's failure: no collective there)."""
+        if self._pending is None:
+            return
+        landed = self._pending.wait(timeout)
+        if together and timeout is not None and self._rendezvous is not None:
+            landed = self._on_every_rank(landed)  # the ranks' checkpoint windows must agree
+            if landed:
+                self._pending.wait(None)
+        if not landed:
             return
         pending, self._pending = self._pending, None
-        paused, gap, seconds = pending.finish()
+        context = (
+            failing_together(self.accelerator, f"delivering policy version {pending.version} to the servers")
+            if together
+            else contextlib.nullcontext()
+        )
+        with context:
+            paused, gap, seconds = pending.finish()
         self._served_version = pending.version
         self._release_unused_versions()
-        self._metrics["sync/probe_logprob_gap"] = gap
+        if gap is not None:  # the main process's check (as inline: the others log none)
+            self._metrics["sync/probe_logprob_gap"] = gap
         self._record_update(seconds, paused, background=True)
+
+    def _on_every_rank(self, flag: bool) -> bool:
+        """``flag`` AND-ed over every rank (one MIN all-reduce; every rank calls it at the same point)."""
+        value = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+        return bool(value.item() > 0)
 
     def sync_weights(self) -> None:
         """TRL's name for it: bring the servers to the trainer's current version."""
@@ -347,8 +407,11 @@ class ServerGeneration:
             try:
                 groups = self.producer.take(count, timeout=self.request_timeout)
             except RolloutProducerError:
-                if self._pending is not None and not self._pending.running:
-                    self.finish_delivery()  # the producer stopped because an update failed: raise that error
+                if self._pending is not None and self._pending.error is not None:
+                    # The producer stopped because an update failed: raise that error (not finish_delivery, a
+                    # collective: another rank's delivery may not have ended yet; this block tells every rank).
+                    pending, self._pending = self._pending, None
+                    raise pending.error from pending.error.__cause__  # its own cause kept
                 raise
             for group, row in zip(groups, prompt_ids or [], strict=False):
                 if list(row) != list(group.sampled.prompt_ids):
@@ -394,7 +457,9 @@ class ServerGeneration:
             return
         self._closed = True
         try:
-            self.finish_delivery()  # its thread reads the version files deleted below
+            # Its thread reads the version files deleted below. Bounded: a run that failed elsewhere (another rank
+            # gone) may have left it waiting for an answer that will not come; the thread is a daemon.
+            self.finish_delivery(timeout=self.request_timeout, together=False)
         except Exception as error:  # noqa: BLE001 - the run is over; whatever stopped it is the error to raise
             logger.warning("the last weight update did not reach the servers: %s", error)
         self.producer.close()
@@ -408,21 +473,26 @@ class ServerGeneration:
                     break
         self.transport.close()
         self._delivered.clear()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
         if self.server_process is not None:
             self.server_process.stop()
 
 
 def delivers_in_background(setting: str, transport: ServerWeightTransport, num_processes: int) -> bool:
     """``weight_delivery`` (``"auto"``, ``"background"``, ``"inline"``) for this run: whether a full-weight update's
-    servers' side runs in a thread. It can with full weights through files and one training process (with several,
-    every rank's producer holds its requests around a reload, an agreement a thread cannot take part in beside the
-    training's collectives); ``"background"`` where it cannot is refused."""
-    possible = isinstance(transport, FullWeightFilesTransport) and num_processes == 1
+    servers' side runs in a thread. It can with full weights through files (adapters are loaded under a name of
+    their own: no reload to wait for); ``"background"`` where it cannot is refused. ``"auto"`` chooses it with one
+    training process, where it was measured faster; with several, every update's agreement goes through the
+    ``delivery_rendezvous`` store, which ``"background"`` asks for."""
+    possible = isinstance(transport, FullWeightFilesTransport)
     if setting == "background" and not possible:
         raise ValueError(
-            "weight_delivery='background' runs a full-weight update's servers' side in a thread: it needs one "
-            "training process and full weights through files (vllm_server_weight_transfer='files', a policy that is "
-            f"not LoRA or vllm_sync_mode='full'); this run has {num_processes} processes and the "
-            f"{transport.name!r} transport. Set weight_delivery='auto' or 'inline'."
+            "weight_delivery='background' runs a full-weight update's servers' side in a thread: it needs full "
+            "weights through files (vllm_server_weight_transfer='files', a policy that is not LoRA or "
+            f"vllm_sync_mode='full'); this run has the {transport.name!r} transport. Set weight_delivery='auto' or "
+            "'inline'."
         )
-    return possible and setting != "inline"
+    if setting == "auto":
+        return possible and num_processes == 1
+    return possible and setting == "background"

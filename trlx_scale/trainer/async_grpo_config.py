@@ -178,11 +178,14 @@ class AsyncGRPOConfig(GRPOConfig):
             "it every rollout. 'background': in a thread of its own while the trainer goes on to its next step "
             "(which trains on groups older versions sampled); the version is published to the producer the moment "
             "it is served and verified, and the next update, an evaluation, a checkpoint or the run's end waits "
-            "for it first; a failure stops the run at once, by name. Needs one training process and full weights "
-            "through files. 'auto': 'background' where it can run, else 'inline'. Measured on this project's 2-core "
-            "CPU machine (one process, full weights, medians of 3): background made 1.10x inline's samples per "
-            "second without reward latency (median of nine paired runs) and 1.01x with a 1 s reward "
-            "(docs/benchmarks.md), hence the default 'auto'.",
+            "for it first; a failure stops the run at once, by name, on every rank. Needs full weights through files. "
+            "With several training processes each rank's thread agrees on every update through a key-value store "
+            "the main process hosts, not a collective (generation/delivery_rendezvous.py). 'auto': 'background' "
+            "with one training process and full weights through files, else 'inline'. Measured on this project's "
+            "2-core CPU machine (one process, full weights, medians of 3): background made 1.10x inline's samples "
+            "per second without reward latency (median of nine paired runs) and 1.01x with a 1 s reward "
+            "(docs/benchmarks.md), hence the default 'auto'; several processes were not measured faster there, so "
+            "'auto' leaves them inline and 'background' asks for it.",
             "choices": ["auto", "background", "inline"],
         },
     )

@@ -111,26 +111,32 @@ class AsyncServerEngineMixin:
             gate=client.gate,  # each HTTP request counted, not each group: a reload waits for no tool
         )
         producer.start()
-        return build_engine(
-            args,
-            kind="server",
-            model=self.model,
-            accelerator=self.accelerator,
-            processing_class=self.processing_class,
-            phase_timer=self.phase_timer,
-            client=client,
-            producer=producer,
-            schedule=self._schedule,
-            policy_version=self._current_rollout,  # the schedule's count; rows get the policy version
-            probe_ids=self._probe_ids(),
-            verify_tolerance=self._verify_tolerance(),
-            request_timeout=args.request_timeout,
-            server_process=process,
-            before_publish=self._prefetch_prompts,
-            weights_dtype=weights_dtype,
-            transport=transport,
-            background_delivery=background_delivery,
-        )
+        try:  # several processes: the delivery store may fail to start (every rank raises it); leave no thread
+            return build_engine(
+                args,
+                kind="server",
+                model=self.model,
+                accelerator=self.accelerator,
+                processing_class=self.processing_class,
+                phase_timer=self.phase_timer,
+                client=client,
+                producer=producer,
+                schedule=self._schedule,
+                policy_version=self._current_rollout,  # the schedule's count; rows get the policy version
+                probe_ids=self._probe_ids(),
+                verify_tolerance=self._verify_tolerance(),
+                request_timeout=args.request_timeout,
+                server_process=process,
+                before_publish=self._prefetch_prompts,
+                weights_dtype=weights_dtype,
+                transport=transport,
+                background_delivery=background_delivery,
+            )
+        except Exception:
+            producer.close()
+            if process is not None:
+                process.stop()
+            raise
 
     def _group_sampler(self, client: VLLMServerClient) -> Any:
         """What samples the producer's groups: whole episodes (a GymRollout), whole tool trajectories, or the
