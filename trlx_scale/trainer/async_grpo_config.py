@@ -184,8 +184,9 @@ class AsyncGRPOConfig(GRPOConfig):
             "with one training process and full weights through files, else 'inline'. Measured on this project's "
             "2-core CPU machine (one process, full weights, medians of 3): background made 1.10x inline's samples "
             "per second without reward latency (median of nine paired runs) and 1.01x with a 1 s reward "
-            "(docs/benchmarks.md), hence the default 'auto'; several processes were not measured faster there, so "
-            "'auto' leaves them inline and 'background' asks for it.",
+            "(docs/benchmarks.md), hence the default 'auto'. With 2 processes on the same cores background equalled "
+            "inline (median of 18 paired runs 1.01x), so 'auto' leaves several processes inline and 'background' "
+            "asks for it.",
             "choices": ["auto", "background", "inline"],
         },
     )
