@@ -41,10 +41,6 @@ class BackgroundDelivery:
             self._on_error(error)
 
     @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    @property
     def error(self) -> BaseException | None:
         """What the delivery raised (None while it runs well, or if it landed). Set before ``on_error`` is called,
         so a waiter that ``on_error`` wakes finds it."""
