@@ -17,12 +17,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from datasets import load_dataset
-
 from trlx_scale import DPOConfig, DPOTrainer
 from trlx_scale.process_exit import run_then_exit
 from trlx_scale.tasks import addition_dataset, addition_preference_dataset
-from trlx_scale.tasks.example_runtime import Example, TaskScriptArguments, run_example
+from trlx_scale.tasks.example_runtime import (
+    Example,
+    TaskData,
+    TaskScriptArguments,
+    eval_strategy,
+    run_example,
+    trains_embedded_task,
+)
+from trlx_scale.tasks.user_dataset import load_user_dataset, split_or_none
 
 
 @dataclass
@@ -63,15 +69,23 @@ def dpo_defaults(parsed) -> dict:
     )
 
 
-def load_data(script_args: DPOScriptArguments, config: DPOConfig):
-    """(train dataset, held-out prompt dataset or None)."""
+def load_data(script_args: DPOScriptArguments, config: DPOConfig, dataset_args=None) -> TaskData:
+    """The embedded addition task (preference pairs, or prompts with --online) or a user's dataset, every training row
+    trained on; under --eval_strategy the trainer evaluates the test split (the embedded task: held-out pairs)."""
     online = config.online
-    if script_args.dataset_name is None:
+    evaluates = eval_strategy(config) != "no"
+    if trains_embedded_task(script_args):
         size = script_args.train_size
         train = addition_dataset("train", size=size) if online else addition_preference_dataset("train", size=size)
         held_out = addition_dataset("held_out", size=script_args.eval_size) if script_args.eval_size else None
-        return train, held_out
-    dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+        evaluation = None
+        if evaluates:
+            size = script_args.eval_size or None
+            evaluation = (
+                addition_dataset("held_out", size) if online else addition_preference_dataset("held_out", size)
+            )
+        return TaskData(train, held_out, evaluation)
+    dataset = load_user_dataset(script_args, dataset_args)
     train = dataset[script_args.dataset_train_split]
     needed = ("prompt", script_args.answer_column) if online else ("chosen", "rejected")
     missing = [column for column in needed if column not in train.column_names]
@@ -82,7 +96,13 @@ def load_data(script_args: DPOScriptArguments, config: DPOConfig):
         )
     if script_args.train_size is not None:
         train = train.select(range(min(script_args.train_size, len(train))))
-    return train, None  # held-out accuracy is the embedded task's metric
+    evaluation = split_or_none(dataset, script_args.dataset_test_split) if evaluates else None
+    if evaluates and evaluation is None:
+        raise ValueError(
+            f"--eval_strategy {eval_strategy(config)} needs pairs to evaluate: dataset {script_args.dataset_name!r} "
+            f"has no {script_args.dataset_test_split!r} split; pass --dataset_test_split."
+        )
+    return TaskData(train, None, evaluation)  # held-out exact-match accuracy is the embedded task's metric
 
 
 def online_rewards(rewards: list) -> list:

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from datasets import load_dataset
 from transformers import TrainerCallback
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 from trl.models import unwrap_model_for_generation
 
 from . import calculator_tool_run
@@ -29,6 +28,7 @@ from .evaluation import exact_match_accuracy
 from .recipe_files import recipe_arguments
 from .reward_functions import EXACT_MATCH, resolve_reward_functions
 from .run_summary import RunSummary
+from .user_dataset import load_user_dataset, split_or_none
 
 
 @dataclass
@@ -49,11 +49,13 @@ class TaskScriptArguments(ScriptArguments):
     train_size: int | None = field(
         default=None, metadata={"help": "Use only the first N training prompts (all when unset)."}
     )
-    eval_size: int = field(
-        default=600,
+    eval_size: int | None = field(
+        default=None,
         metadata={
-            "help": "Held-out prompts scored before and after training (exact match against --answer_column). 0 "
-            "disables it on a dataset of your own; the embedded task then uses its whole held-out split."
+            "help": "Held-out prompts: N rows of --dataset_test_split, or, when the dataset has no such split, N "
+            "training rows held out of training. They are scored by exact match against --answer_column before and "
+            "after training, and evaluated with the run's reward functions under --eval_strategy. Unset: every "
+            "training row is trained on (600 on the embedded task; 0 there uses its whole held-out split)."
         },
     )
     eval_max_new_tokens: int = field(
@@ -95,13 +97,16 @@ def cpu_launch_defaults() -> dict:
     """On CPU: fp32 compute, and under a multi-process launcher the gloo process group (DeepSpeed ZeRO-3 included)."""
     if torch.cuda.is_available():
         return {}
-    defaults = {"bf16": False}
+    # The machine's settings, not the demo's: TRL's own parse refuses bf16 on a CPU (`trl grpo` needs
+    # `--use_cpu true --bf16 false` there), so every run on this machine gets them.
+    defaults: dict[str, Any] = {"bf16": False}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        # Under a launcher, without use_cpu Accelerate sees no accelerator and treats the processes as independent
+        # (its gathers become no-ops); with it, they form one gloo process group (DistributedType.MULTI_CPU).
+        # DeepSpeed on CPU runs through ddp_backend="gloo" instead, and refuses use_cpu.
+        defaults["use_cpu"] = True
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         defaults["ddp_backend"] = "gloo"  # the process group that runs on CPU (DeepSpeed included)
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-            # Without use_cpu, Accelerate sees no accelerator and treats the processes as independent (its
-            # gathers become no-ops); with it, they form one gloo process group (DistributedType.MULTI_CPU).
-            defaults["use_cpu"] = True
     return defaults
 
 
@@ -114,40 +119,81 @@ def resume_argument(value: str | None) -> str | bool | None:
     return value
 
 
-def load_prompt_task(script_args: TaskScriptArguments, seed: int):
-    """(train dataset, held-out dataset) with 'prompt' and the answer column."""
-    if script_args.dataset_name is None:
+def eval_strategy(config) -> str:
+    """The config's ``eval_strategy`` as the flag spells it ("no", "steps", "epoch")."""
+    return str(getattr(config.eval_strategy, "value", config.eval_strategy))
+
+
+@dataclass
+class TaskData:
+    """What a run trains and evaluates on.
+
+    train: the rows trained on.
+    held_out: prompts with their answers for the exact-match accuracy before and after training (the embedded tasks;
+        a user's dataset with an answer column and ``--eval_size N``), or None.
+    evaluation: what the trainer evaluates every ``eval_steps`` with the run's own reward functions under
+        ``--eval_strategy steps|epoch`` (TRL's ``eval_dataset``): the dataset's test split, else the held-out rows;
+        None when the run does not evaluate.
+    """
+
+    train: Any
+    held_out: Any = None
+    evaluation: Any = None
+
+
+def load_prompt_task(script_args: TaskScriptArguments, config, dataset_args=None) -> TaskData:
+    """The embedded addition task, or a user's prompt dataset with every training row trained on unless
+    ``--eval_size N`` asks for N held-out rows (from ``--dataset_test_split`` when the dataset has it)."""
+    evaluates = eval_strategy(config) != "no"
+    if trains_embedded_task(script_args):
         train = addition_dataset("train", size=script_args.train_size)
         held_out = addition_dataset("held_out", size=script_args.eval_size or None)
-        return train, held_out
-    dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+        return TaskData(train, held_out, held_out if evaluates else None)
+    dataset = load_user_dataset(script_args, dataset_args)
+    label = script_args.dataset_name or "the `datasets` mixture"
+    if script_args.dataset_train_split not in dataset:
+        raise ValueError(
+            f"Dataset {label!r} has no split {script_args.dataset_train_split!r} (splits: {list(dataset)}): pass "
+            "--dataset_train_split."
+        )
     train = dataset[script_args.dataset_train_split]
     # The answer column serves exact match (the default reward) and the held-out accuracy; with other reward
-    # functions (--reward_funcs accuracy_reward reads "solution") a dataset without it trains, unevaluated.
+    # functions (--reward_funcs accuracy_reward reads "solution") a dataset without it trains.
     needs_answer = not script_args.reward_funcs or EXACT_MATCH in script_args.reward_funcs
     needed = ("prompt", script_args.answer_column) if needs_answer else ("prompt",)
     for column in needed:
         if column not in train.column_names:
             raise ValueError(
-                f"Dataset {script_args.dataset_name!r} has no {column!r} column (columns: {train.column_names}). "
-                "Rename its columns, or pass --answer_column for the answer."
+                f"Dataset {label!r} has no {column!r} column (columns: {train.column_names}). Rename its columns, or "
+                "pass --answer_column for the answer."
             )
-    if script_args.answer_column not in train.column_names or not script_args.eval_size:
-        return _first_rows(train, script_args.train_size, script_args.dataset_train_split), None
-    if script_args.dataset_test_split in dataset:
-        held_out = dataset[script_args.dataset_test_split]
-    else:
-        if script_args.eval_size >= len(train):
-            raise ValueError(
-                f"--eval_size={script_args.eval_size} would take every row of the {len(train)}-row train split for "
-                "evaluation (the dataset has no test split): lower --eval_size."
-            )
-        split = train.train_test_split(test_size=max(script_args.eval_size, 1), seed=seed)
-        train, held_out = split["train"], split["test"]
-    check_split_size("--eval_size", script_args.eval_size or None, len(held_out), "held-out")
+    test = split_or_none(dataset, script_args.dataset_test_split)
+    held_out = None
     if script_args.eval_size:
+        if test is not None:
+            held_out = test
+        else:
+            if script_args.eval_size >= len(train):
+                raise ValueError(
+                    f"--eval_size={script_args.eval_size} would take every row of the {len(train)}-row train split "
+                    "for evaluation (the dataset has no test split): lower --eval_size."
+                )
+            split = train.train_test_split(test_size=script_args.eval_size, seed=config.seed)
+            train, held_out = split["train"], split["test"]
+        check_split_size("--eval_size", script_args.eval_size, len(held_out), "held-out")
         held_out = held_out.select(range(script_args.eval_size))
-    return _first_rows(train, script_args.train_size, script_args.dataset_train_split), held_out
+    evaluation = None
+    if evaluates:
+        evaluation = test if test is not None else held_out
+        if evaluation is None:
+            raise ValueError(
+                f"--eval_strategy {eval_strategy(config)} needs prompts to evaluate: dataset {label!r} has no "
+                f"{script_args.dataset_test_split!r} split; pass --dataset_test_split, or --eval_size N to hold N "
+                "training rows out."
+            )
+    train = _first_rows(train, script_args.train_size, script_args.dataset_train_split)
+    scoreable = held_out is not None and script_args.answer_column in held_out.column_names
+    return TaskData(train, held_out if scoreable else None, evaluation)
 
 
 def _first_rows(train, train_size: int | None, split: str):
@@ -276,6 +322,8 @@ ROLLOUT_EXAMPLE_DEFAULTS: dict[str, Any] = dict(
     shared_prefix="auto",
     logging_steps=20,
 )
+# The embedded task's own script defaults: 600 held-out problems scored before and after training.
+EMBEDDED_TASK_SCRIPT_DEFAULTS: dict[str, Any] = dict(eval_size=600)
 # Fields an --optim_preset fills: an example's own values for them step aside when a preset is chosen, whether on the
 # command line or in a --config file.
 OPTIMIZER_FIELDS = ("learning_rate", "lr_scheduler_type", "warmup_steps")
@@ -287,7 +335,7 @@ class Example:
 
     defaults: the example's own defaults, given the first parse of the flags (None on that first parse), so that a
         default may depend on another flag (DPO's ``--online``) from the command line or a ``--config`` file.
-    load_data: (script args, config) -> (train dataset, held-out prompts with an "answer" column, or None).
+    load_data: (script args, config, dataset mixture args) -> ``TaskData``.
     trainer_kwargs: (config, reward functions) -> extra keyword arguments of the trainer (e.g. ``reward_funcs``).
     """
 
@@ -295,7 +343,7 @@ class Example:
     config_cls: type
     defaults: Callable[[Any], dict[str, Any]]
     script_args_cls: type = field(default_factory=lambda: TaskScriptArguments)
-    load_data: Callable[[Any, Any], tuple] = field(default_factory=lambda: _load_prompt_data)
+    load_data: Callable[..., TaskData] = field(default_factory=lambda: _load_prompt_data)
     trainer_kwargs: Callable[[Any, list], dict[str, Any]] = field(
         default_factory=lambda: lambda config, reward: {"reward_funcs": reward}
     )
@@ -303,29 +351,56 @@ class Example:
     takes_tools: bool = False  # the trainer trains with tools (--task calculator_tools)
 
 
-def _load_prompt_data(script_args, config):
-    return load_prompt_task(script_args, config.seed)
+def _load_prompt_data(script_args, config, dataset_args=None) -> TaskData:
+    return load_prompt_task(script_args, config, dataset_args)
 
 
 def script_parser(example: Example, prog: str | None = None) -> TrlParser:
-    """TRL's parser over the example's script arguments, the trainer's config and TRL's ``ModelConfig``."""
-    return TrlParser((example.script_args_cls, example.config_cls, ModelConfig), prog=prog)
+    """TRL's parser over the example's script arguments, the trainer's config, TRL's ``ModelConfig`` and TRL's
+    ``DatasetMixtureConfig`` (the four dataclasses ``trl grpo`` parses)."""
+    return TrlParser((example.script_args_cls, example.config_cls, ModelConfig, DatasetMixtureConfig), prog=prog)
+
+
+def trains_embedded_task(script_args) -> bool:
+    """A run trains an embedded task when it names no dataset (``--dataset_name`` or a ``datasets`` mixture): only
+    then do the demo's tuned settings apply. A user's dataset gets the config's defaults, as ``trl grpo`` gives."""
+    return not script_args.dataset_name and not getattr(script_args, "datasets", None)
+
+
+def _script_arguments_alone(example: Example, argv: list[str], recipe_values: dict[str, Any]):
+    """The script's own arguments (dataset, task), before any config default is chosen: which defaults apply depends
+    on them, and a config parsed with the wrong defaults could refuse flags that are valid with the right ones."""
+    parser = TrlParser((example.script_args_cls, DatasetMixtureConfig))
+    parser.set_defaults_with_config(**recipe_values)
+    script_args, dataset_args, _ = parser.parse_args_and_config(argv, return_remaining_strings=True)
+    script_args.datasets = dataset_args.datasets
+    return script_args
 
 
 def parse_example_flags(example: Example, argv: list[str]):
-    """(script args, config, model args): TRL's parser over the three dataclasses, with the example's defaults, then
-    a recipe's values (``--recipe NAME`` or ``--config RECIPE.yaml``), then the command line."""
+    """(script args, config, model args, dataset mixture args): TRL's parser over the four dataclasses, with the
+    defaults that apply to the run, then a recipe's values (``--recipe NAME`` or ``--config RECIPE.yaml``), then the
+    command line.
+
+    The defaults that apply: on an embedded task (no dataset named), the demo's tuned settings; on a user's dataset,
+    the config's own (TRL's, plus trlx_scale's documented ones: docs/defaults.md). On a machine without a GPU the
+    hardware's (fp32, the CPU device) apply to both."""
     argv, recipe_values = recipe_arguments(argv)
-    parser = script_parser(example)
     class_defaults = {f.name: f.default for f in dataclasses.fields(example.config_cls)}
+    embedded = trains_embedded_task(_script_arguments_alone(example, argv, recipe_values))
 
     def parse(first_pass, first_script=None):
-        defaults = {"model_name_or_path": default_model_path(), **SHARED_EXAMPLE_DEFAULTS}
-        defaults.update(example.defaults(first_pass))
-        if first_script is not None and first_script.task == CALCULATOR_TOOLS:
-            defaults.update(calculator_tool_run.task_defaults(example.config_cls))
-        if first_pass is not None and getattr(first_pass, "optim_preset", None) is not None:
-            defaults.update({name: class_defaults[name] for name in OPTIMIZER_FIELDS})
+        # A parser per parse: TRL's parser keeps the defaults an earlier call set.
+        parser = script_parser(example)
+        defaults: dict[str, Any] = {"model_name_or_path": default_model_path()}
+        if embedded:
+            defaults.update(EMBEDDED_TASK_SCRIPT_DEFAULTS)
+            defaults.update(SHARED_EXAMPLE_DEFAULTS)
+            defaults.update(example.defaults(first_pass))
+            if first_script is not None and first_script.task == CALCULATOR_TOOLS:
+                defaults.update(calculator_tool_run.task_defaults(example.config_cls))
+            if first_pass is not None and getattr(first_pass, "optim_preset", None) is not None:
+                defaults.update({name: class_defaults[name] for name in OPTIMIZER_FIELDS})
         defaults.update(cpu_launch_defaults())
         defaults.update(recipe_values)
         unused = parser.set_defaults_with_config(**defaults)
@@ -337,25 +412,38 @@ def parse_example_flags(example: Example, argv: list[str]):
             )
         return parser.parse_args_and_config(argv)
 
-    first_script, first_config, _ = parse(None)
+    first_script, first_config, _, _ = parse(None)
     calculator_tool_run.check_task(
         first_script.task, example.takes_tools, example.trainer_cls.__name__, first_script.dataset_name or None
     )
-    script_args, config, model_args = parse(first_config, first_script)
+    script_args, config, model_args, dataset_args = parse(first_config, first_script) if embedded else parse(None)
     # `--dataset_name ""` unsets a dataset a recipe or config file named: the embedded task then.
     script_args.dataset_name = script_args.dataset_name or None
-    return script_args, config, model_args
+    return script_args, config, model_args, dataset_args
+
+
+def model_init_kwargs(config, model_args) -> dict[str, Any]:
+    """The policy's loading arguments as ``trl grpo`` builds them from ``ModelConfig``, the config's own last."""
+    return {
+        "revision": model_args.model_revision,
+        "trust_remote_code": config.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(config.model_init_kwargs or {}),
+    }
 
 
 def run_example(example: Example, argv: list[str] | None = None) -> dict:
     """Parse the flags, train, measure held-out accuracy before and after, save (and push), print the summary."""
     argv = sys.argv[1:] if argv is None else argv
-    script_args, config, model_args = parse_example_flags(example, argv)
+    script_args, config, model_args, dataset_args = parse_example_flags(example, argv)
+    embedded = trains_embedded_task(script_args)
     with_tools = script_args.task == CALCULATOR_TOOLS
     if with_tools:
-        train_dataset, held_out = calculator_tool_run.task_data(script_args.train_size, script_args.eval_size)
+        data = TaskData(*calculator_tool_run.task_data(script_args.train_size, script_args.eval_size))
     else:
-        train_dataset, held_out = example.load_data(script_args, config)
+        data = example.load_data(script_args, config, dataset_args)
+    held_out = data.held_out
     answer_column = script_args.answer_column
 
     if with_tools and not script_args.reward_funcs:
@@ -365,13 +453,18 @@ def run_example(example: Example, argv: list[str] | None = None) -> dict:
     if script_args.reward_model_name_or_path:
         rewards = [script_args.reward_model_name_or_path, *rewards]
 
-    if model_args.dtype is not None:  # --dtype loads the policy in that dtype in every example
+    if not embedded:
+        config.model_init_kwargs = model_init_kwargs(config, model_args)
+    elif model_args.dtype is not None:  # --dtype loads the embedded policy in that dtype
         config.model_init_kwargs = {**(config.model_init_kwargs or {}), "dtype": model_args.dtype}
+    quantization = get_quantization_config(model_args)
     trainer = example.trainer_cls(
         model=model_args.model_name_or_path,
         args=config,
-        train_dataset=train_dataset,
+        train_dataset=data.train,
+        eval_dataset=data.evaluation,
         peft_config=get_peft_config(model_args),
+        **({"quantization_config": quantization} if quantization is not None else {}),
         **example.trainer_kwargs(config, rewards),
         **(calculator_tool_run.task_trainer_kwargs(model_args.model_name_or_path) if with_tools else {}),
     )
@@ -382,10 +475,14 @@ def run_example(example: Example, argv: list[str] | None = None) -> dict:
         column = answer_column if held_out is not None and answer_column in held_out.column_names else "answer"
         return held_out_accuracy(trainer, held_out, column, script_args.eval_max_new_tokens)
 
-    summary = RunSummary(model=model_args.model_name_or_path, world_size=trainer.accelerator.num_processes)
+    summary = RunSummary(
+        model=model_args.model_name_or_path,
+        world_size=trainer.accelerator.num_processes,
+        train_rows=len(data.train) if hasattr(data.train, "__len__") else None,
+    )
     summary.accuracy_before = accuracy()
     every = script_args.eval_every_steps
-    every = (EMBEDDED_TASK_EVAL_EVERY if script_args.dataset_name is None else 0) if every is None else every
+    every = (EMBEDDED_TASK_EVAL_EVERY if embedded else 0) if every is None else every
     curve = HeldOutAccuracyCurve(accuracy, every)
     evaluated = summary.accuracy_before is not None
     if evaluated:
@@ -402,7 +499,8 @@ def run_example(example: Example, argv: list[str] | None = None) -> dict:
         summary.accuracy_curve = [(0, summary.accuracy_before), *curve.points]
         summary.accuracy_curve.append((trainer.state.global_step, summary.accuracy_after))
     summary.read_log_history(trainer.state.log_history, trainer.state.global_step, reward_key=example.reward_key)
-    dataset_label = script_args.dataset_name or (
-        calculator_tool_run.DATASET_LABEL if with_tools else "trlx_scale/addition"
-    )
+    if embedded:
+        dataset_label = calculator_tool_run.DATASET_LABEL if with_tools else "trlx_scale/addition"
+    else:
+        dataset_label = script_args.dataset_name or ", ".join(d.path for d in dataset_args.datasets)
     return finish_run(trainer, summary, config.output_dir, dataset_label, config.push_to_hub)

@@ -12,6 +12,8 @@ from ..atomic_files import write_text_atomically
 class RunSummary:
     model: str
     world_size: int = 1
+    # Rows of the training split the run trained on (held-out rows excluded).
+    train_rows: int | None = None
     steps: int = 0
     train_seconds: float = 0.0
     accuracy_before: float | None = None

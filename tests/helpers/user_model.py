@@ -1,0 +1,90 @@
+"""A model and data the package did not build, as a user brings them: a small Qwen2 (another architecture than the
+embedded Llama) with a byte-level BPE tokenizer trained here and a ChatML template, saved as HF model files."""
+
+from __future__ import annotations
+
+import json
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def user_prompt(index: int) -> str:
+    return f"What is {index} plus {index % 7}? Answer with digits."
+
+
+def user_answer(index: int) -> str:
+    return str(index + index % 7)
+
+
+def save_user_model(folder) -> str:
+    """Save the model and tokenizer into ``folder``; return its path. Head size 32: one vLLM's CPU kernels take."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [f"{user_prompt(i)} {user_answer(i)}" for i in range(200)] + ["user assistant system 0123456789"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(corpus, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
+    )
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def write_prompt_parquet(path, rows: int) -> str:
+    """A local parquet file of ``rows`` conversational prompts with an ``answer`` column."""
+    from datasets import Dataset
+
+    Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": user_prompt(i)}] for i in range(rows)],
+            "answer": [user_answer(i) for i in range(rows)],
+        }
+    ).to_parquet(str(path))
+    return str(path)
+
+
+def write_preference_jsonl(path, rows: int) -> str:
+    """A local JSONL file of ``rows`` preference pairs (TRL's prompt/chosen/rejected, plain text)."""
+    with open(path, "w") as handle:
+        for i in range(rows):
+            answer = int(user_answer(i))
+            row = {"prompt": user_prompt(i), "chosen": f" {answer}", "rejected": f" {answer + 1}"}
+            handle.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+# The reward a user's module holds: written into the run's working directory, named `user_rewards.digit_reward`.
+USER_REWARD_MODULE = '''
+def digit_reward(completions, **kwargs):
+    """1.0 when the completion holds a digit."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(any(ch.isdigit() for ch in text)) for text in texts]
+'''
