@@ -13,9 +13,9 @@ ARGS ?=
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install run test test-fast lint format clean
+.PHONY: install run test test-fast lint format clean constraints
 
-$(STAMP): pyproject.toml scripts/install.sh
+$(STAMP): pyproject.toml scripts/install.sh constraints/cpu.txt
 	bash scripts/install.sh $(VENV)
 	touch $(STAMP)
 
@@ -40,6 +40,15 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# Rewrite constraints/cpu.txt: the newest stack pyproject.toml admits, installed into a fresh venv, then frozen. Run the
+# suite on it (make clean test) before committing the new pins.
+constraints:
+	rm -rf $(VENV).constraints
+	TRLX_SCALE_CONSTRAINTS=none bash scripts/install.sh $(VENV).constraints
+	mkdir -p constraints
+	$(VENV).constraints/bin/python -m pip freeze --exclude-editable --exclude trlx-scale > constraints/cpu.txt
+	rm -rf $(VENV).constraints
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache

