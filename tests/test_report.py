@@ -107,6 +107,24 @@ def test_reward_plot_draws_the_accuracy_curve_when_the_run_measured_one(finished
     assert with_curve.shape == ends_only.shape and abs(with_curve - ends_only).max() > 0.1
 
 
+def test_reward_plot_draws_the_evaluation_reward_when_the_run_evaluated(finished_run, tmp_path):
+    """A run evaluated by the trainer (--eval_strategy steps) logs eval_reward: the reward plot draws it, so it
+    differs from the plot of the same run without those entries."""
+    import shutil
+
+    evaluated = tmp_path / "evaluated"
+    shutil.copytree(finished_run, evaluated)
+    state = json.loads((evaluated / "trainer_state.json").read_text())
+    state["log_history"] += [{"step": step, "eval_reward": value} for step, value in ((1, 0.1), (2, 0.9), (3, 0.5))]
+    (evaluated / "trainer_state.json").write_text(json.dumps(state))
+    assert RunHistory.load(str(evaluated)).series("eval_reward") == ([1, 2, 3], [0.1, 0.9, 0.5])
+    assert cli_main(["report", str(evaluated), "--output", str(tmp_path / "with_eval")]) == 0
+    assert cli_main(["report", str(finished_run), "--output", str(tmp_path / "without")]) == 0
+    with_eval = _png_pixels(tmp_path / "with_eval" / "reward.png")
+    without = _png_pixels(tmp_path / "without" / "reward.png")
+    assert with_eval.shape == without.shape and abs(with_eval - without).max() > 0.1
+
+
 def test_held_out_curve_scores_every_n_steps_and_keeps_the_random_state():
     from types import SimpleNamespace
 

@@ -12,6 +12,8 @@ from .run_history import RunHistory
 
 # The reward each trainer logs, in order of preference: GRPO/PPO, online DPO, offline DPO (reward margin).
 REWARD_KEYS = ("reward", "online/reward_mean", "rewards/margins")
+# The mean reward of the trainer's evaluation, which the reward plot draws beside the training reward.
+EVAL_REWARD_KEY = "eval_reward"
 KL_KEYS = ("kl", "ppo/kl", "ppo/approx_kl")
 CLIP_KEYS = ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "ppo/value_clipfrac")
 REPORT_EXTRA_HINT = "pip install 'trlx-scale[report]' (matplotlib)"
@@ -53,6 +55,11 @@ def _plot_reward(plt, history: RunHistory, path: str) -> None:
         axis.plot(steps, values, color="tab:blue", label=key)
         axis.set_xlabel("step")
         axis.set_ylabel(key, color="tab:blue")
+        # The trainer's evaluation (--eval_strategy): the same reward functions on held-out prompts.
+        if history.first_present((EVAL_REWARD_KEY,)) is not None:
+            steps, values = history.series(EVAL_REWARD_KEY)
+            axis.plot(steps, values, "s-", color="tab:orange", label=f"{EVAL_REWARD_KEY} (held-out prompts)")
+            axis.legend(loc="upper left", fontsize="small")
     before, after = history.summary.get("accuracy_before"), history.summary.get("accuracy_after")
     # The held-out accuracy measured during the run (step, accuracy), before and after included; older summaries
     # only have the two ends.

@@ -52,6 +52,7 @@ from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 from ..losses.vllm_importance_sampling import importance_sampling_statistics, vllm_importance_sampling_ratio
 from .batch import RolloutBatch
 from .group_advantages import group_advantages
+from .pass_at_k import group_pass_at_k, is_binary
 
 # The keys of TRL 1.16's rollout dict, in its order (TRL sizes its micro-batch chunks by the first tensor).
 TRL_KEY_ORDER = (
@@ -329,6 +330,10 @@ class RolloutCollector:
         metrics["reward"].append(torch.nanmean(scored.rewards).item())
         metrics["reward_std"].append(nanstd(scored.rewards).item())
         metrics["frac_reward_zero_std"].append(scored.is_std_zero.float().mean().item())
+        if mode == "eval" and is_binary(scored.rewards):
+            group_size = trainer.num_generations_eval
+            for k, value in group_pass_at_k(scored.rewards, group_size, tuple(sorted({1, group_size}))).items():
+                metrics[f"pass@{k}"].append(value)
         logs["prompt"].extend(gather_object(prompts))
         logs["completion"].extend(gather_object(completions))
         for index, name in enumerate(trainer.reward_func_names):
