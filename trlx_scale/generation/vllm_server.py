@@ -38,6 +38,7 @@ import httpx
 from ..compat.vllm_checked_reload import WORKER_EXTENSION
 from ..compat.vllm_cpu_server_executor import uni_executor_arguments, uni_executor_environment
 from ..compat.vllm_server_entrypoint import server_command
+from ..progress_notice import PeriodicNotice
 from .cpu_environment import KVCACHE_SPACE_ENV, running_on_cpu_only
 from .server_watchdog import GRACE_SECONDS, end_process_group, wrapped_command
 
@@ -174,6 +175,8 @@ class VLLMServerProcess:
         self.server_pid_file = self.log_path + ".server.pid"
         self._group: int | None = None
         self.process: subprocess.Popen | None = None
+        # The start-up's progress lines (None: one every PROGRESS_EVERY_SECONDS to the log).
+        self.progress: PeriodicNotice | None = None
 
     @property
     def url(self) -> str:
@@ -195,7 +198,9 @@ class VLLMServerProcess:
                 start_new_session=True,
             )
         deadline = time.monotonic() + self.startup_timeout
+        progress = self.progress or PeriodicNotice(f"vLLM server for {self.launch.model}")
         while True:
+            progress.tick(lambda elapsed: f"starting for {elapsed:.0f} s; its log says: {self.newest_log_line()}")
             code = self.process.poll()
             if code is not None:
                 self._end_server_group()
@@ -235,6 +240,11 @@ class VLLMServerProcess:
         code = None if self.process is None else self.process.poll()
         state = "is running" if code is None else f"exited with code {code}"
         return f"the server process {state}; the end of its log ({self.log_path}):\n{self.log_tail()}"
+
+    def newest_log_line(self) -> str:
+        """The last non-empty line of the server's log (what it is doing during start-up)."""
+        lines = [line for line in self.log_tail(5).splitlines() if line.strip()]
+        return lines[-1].strip() if lines else "(nothing yet)"
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..atomic_files import replace_atomically
+from ..progress_notice import PeriodicNotice
 
 TRAINING_ARGS_NAME = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_NAME (pinned by a contract test)
 # Environment variables that hold credentials by name. Any variable whose name ends like this is treated as one.
@@ -140,12 +141,14 @@ def file_holds_any(path: str, needles: list[bytes], block: int = _SCAN_BLOCK) ->
     return False
 
 
-def files_with_secrets(folder: str, secrets: Iterable[str]) -> list[str]:
-    """Paths (relative to ``folder``) of the files under it whose bytes contain any of ``secrets``."""
+def files_with_secrets(folder: str, secrets: Iterable[str], progress: PeriodicNotice | None = None) -> list[str]:
+    """Paths (relative to ``folder``) of the files under it whose bytes contain any of ``secrets``; a large folder
+    says how far the scan is every few seconds (``progress``)."""
     needles = [secret.encode() for secret in secrets if secret]
     if not needles:
         return []
-    hits = []
+    progress = progress or PeriodicNotice(f"secret scan of {folder} before the upload")
+    hits, scanned = [], 0
     for root, _, names in os.walk(folder):
         for name in sorted(names):
             path = os.path.join(root, name)
@@ -153,6 +156,8 @@ def files_with_secrets(folder: str, secrets: Iterable[str]) -> list[str]:
                 continue
             if file_holds_any(path, needles):
                 hits.append(os.path.relpath(path, folder))
+            scanned += 1
+            progress.tick(lambda elapsed, scanned=scanned: f"{scanned} files scanned in {elapsed:.0f} s")
     return sorted(hits)
 
 

@@ -26,6 +26,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..progress_notice import PeriodicNotice
+
 ALGORITHM = "sha256"
 _CHUNK = 8 * 2**20
 # A file larger than this is hashed as several pieces, which any rank may take. 256 MiB keeps the marker small
@@ -96,14 +98,29 @@ def share_of_pieces(pieces: list[Piece], rank: int, world_size: int) -> list[Pie
 
 
 def hash_share(
-    path: str, sizes: dict[str, int], rank: int, world_size: int, piece_bytes: int = PIECE_BYTES
+    path: str,
+    sizes: dict[str, int],
+    rank: int,
+    world_size: int,
+    piece_bytes: int = PIECE_BYTES,
+    progress: PeriodicNotice | None = None,
 ) -> list[tuple[str, int, str]]:
-    """``(file, piece index, SHA-256)`` of rank ``rank``'s share of the pieces of the files ``sizes`` lists."""
+    """``(file, piece index, SHA-256)`` of rank ``rank``'s share of the pieces of the files ``sizes`` lists; a large
+    share says how far it is every few seconds (``progress``)."""
     pieces = [piece for name, size in sizes.items() for piece in file_pieces(name, size, piece_bytes)]
-    return [
-        (piece.name, piece.index, file_digest(os.path.join(path, piece.name), piece.offset, piece.length))
-        for piece in share_of_pieces(pieces, rank, world_size)
-    ]
+    share = share_of_pieces(pieces, rank, world_size)
+    total, done = sum(piece.length for piece in share), 0
+    progress = progress or PeriodicNotice(f"checksums of {path} (rank {rank})")
+    digests = []
+    for piece in share:
+        digests.append(
+            (piece.name, piece.index, file_digest(os.path.join(path, piece.name), piece.offset, piece.length))
+        )
+        done += piece.length
+        progress.tick(
+            lambda elapsed, done=done: f"{100 * done / total:.0f}% of {total / 2**30:.1f} GiB in {elapsed:.0f} s"
+        )
+    return digests
 
 
 def _entry(size: int, digests: list[str], piece_bytes: int) -> dict:
