@@ -136,42 +136,62 @@ def test_a_stale_memory_statement_is_caught(tmp_path):
     assert any("does not fit" in p for p in check_recipe(recipe).problems())
 
 
-def _substitute_embedded(recipe_name: str, output_dir) -> list[str]:
-    """The recipe with the embedded model and task substituted and the sizes cut to a 2-step CPU run."""
+def test_every_recipe_evaluates_reports_and_declares_its_extras():
+    """Each recipe evaluates with the run's reward (held-out prompts or the test split) and reports to a tracker;
+    the extras it needs are declared in the recipe and exist in pyproject.toml."""
+    import tomllib
+
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as handle:
+        extras = set(tomllib.load(handle)["project"]["optional-dependencies"])
+    for name in recipe_names():
+        recipe = load_recipe(name)
+        config = recipe.config
+        assert config.get("eval_strategy") == "steps" and config.get("eval_steps"), name
+        assert config.get("eval_size") or config.get("dataset_test_split"), name
+        assert config.get("report_to") not in (None, "none"), name
+        declared = set(recipe.meta["extras"])
+        assert declared <= extras, (name, declared - extras)
+        if "accuracy_reward" in config.get("reward_funcs", []):
+            assert "math" in declared, name  # accuracy_reward verifies with math-verify
+        if recipe.meta["accelerate_config"].startswith(("zero", "multinode_zero")):
+            assert "deepspeed" in declared, name
+        assert recipe.meta["model_type"] in ("qwen2", "qwen3_moe", "llama"), name
+
+
+def _shrunk_recipe_run(recipe_name: str, tmp_path) -> list[str]:
+    """The recipe on a 2-layer model of its own architecture and a local dataset of its columns, cut to a 2-step,
+    one-process CPU run that evaluates at step 2."""
+    from .helpers.user_model import save_shrunk_model, write_math_folder, write_preference_folder
+
     recipe = load_recipe(recipe_name)
-    flags = ["--recipe", recipe_name, "--max_steps", "2", "--output_dir", str(output_dir), "--logging_steps", "1"]
-    flags += ["--num_processes", "1"]  # one CPU process, not the recipe's GPU layout
-    flags += ["--bf16", "false", "--dtype", "float32", "--eval_size", "16", "--save_strategy", "no"]
-    flags += [
-        "--model_name_or_path",
-        load_recipe_default_model(),
-        "--dataset_name",
-        "",
-        "--reward_funcs",
-        "exact_match",
-    ]
+    model = save_shrunk_model(tmp_path / "model", recipe.meta["model_type"])
+    out = tmp_path / "run"
+    flags = ["--recipe", recipe_name, "--model_name_or_path", model, "--max_steps", "2", "--eval_steps", "2"]
+    flags += ["--output_dir", str(out), "--logging_steps", "1", "--num_processes", "1", "--report_to", "none"]
+    flags += ["--bf16", "false", "--dtype", "float32", "--save_strategy", "no"]
     if recipe.command == "dpo":
-        flags += ["--per_device_train_batch_size", "4", "--max_length", "64", "--vllm_ref_log_probs", "false"]
-        flags = [f for f in flags if f not in ("--reward_funcs", "exact_match")]
+        flags += ["--dataset_name", write_preference_folder(tmp_path / "pairs", 16, 4)]
+        flags += ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_length", "64"]
+        flags += ["--vllm_ref_log_probs", "false"]
     else:
+        flags += ["--dataset_name", write_math_folder(tmp_path / "math", 40), "--eval_size", "4"]
         flags += ["--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "6"]
-        flags += ["--gradient_accumulation_steps", "1", "--vllm_tensor_parallel_size", "1"]
+        flags += ["--per_device_eval_batch_size", "4", "--gradient_accumulation_steps", "1"]
+        flags += ["--vllm_tensor_parallel_size", "1"]
     return [recipe.command, *flags]
-
-
-def load_recipe_default_model() -> str:
-    from trlx_scale.tasks.default_model import default_model_path
-
-    return default_model_path()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXPECTED_RECIPES))
-def test_recipe_runs_two_steps_with_the_embedded_model_substituted(name, tmp_path):
+def test_recipe_runs_two_steps_on_a_shrunk_model_of_its_architecture(name, tmp_path):
     out = tmp_path / "run"
-    _run([TRLX_SCALE, *_substitute_embedded(name, out)], cwd=str(tmp_path), timeout=900)
+    _run([TRLX_SCALE, *_shrunk_recipe_run(name, tmp_path)], cwd=str(tmp_path), timeout=900)
     summary = read_run_summary(out)
     assert summary["steps"] == 2
+    with open(out / "trainer_state.json") as handle:
+        history = json.load(handle)["log_history"]
+    metric = "eval_loss" if load_recipe(name).command == "dpo" else "eval_reward"
+    assert [entry["step"] for entry in history if metric in entry] == [2], history  # evaluated at step 2
 
 
 # ---------------------------------------------------------------------------------------------- TRL's command line

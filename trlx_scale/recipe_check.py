@@ -73,7 +73,7 @@ def parsed_config(recipe: Recipe, cpu_only: bool):
     unused = parser.set_defaults_with_config(**values)
     if unused:
         raise ValueError(f"recipe {recipe.name}: {unused[::2]} are no fields of the {recipe.command} script.")
-    script_args, config, model_args = parser.parse_args_and_config([])
+    script_args, config, model_args, _ = parser.parse_args_and_config([])
     return script_args, config, model_args
 
 

@@ -88,3 +88,64 @@ def digit_reward(completions, **kwargs):
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
     return [float(any(ch.isdigit() for ch in text)) for text in texts]
 '''
+
+
+def save_shrunk_model(folder, model_type: str) -> str:
+    """A 2-layer, 64-wide model of ``model_type``'s architecture (qwen2, qwen3_moe with 4 experts, llama), random
+    weights, with the embedded model's tokenizer: a recipe's own architecture at a size CPU tests can train. Head
+    size 32: one vLLM's CPU kernels take."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3MoeConfig
+
+    from trlx_scale.tasks.default_model import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    configs = {
+        "qwen2": lambda: Qwen2Config(**common),
+        "llama": lambda: LlamaConfig(**common),
+        "qwen3_moe": lambda: Qwen3MoeConfig(
+            **common, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+        ),
+    }
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(configs[model_type]())
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def write_math_folder(folder, rows: int) -> str:
+    """A local stand-in for trl-lib/DeepMath-103K: conversational 'prompt', a LaTeX 'solution' (what accuracy_reward
+    checks) and an 'answer' (what exact_match checks), in a JSONL train split."""
+    folder.mkdir()
+    with open(folder / "train.jsonl", "w") as handle:
+        for i in range(rows):
+            a, b = 10 + i, 3 + i % 5
+            row = {
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "solution": f"${a + b}$",
+                "answer": str(a + b),
+            }
+            handle.write(json.dumps(row) + "\n")
+    return str(folder)
+
+
+def write_preference_folder(folder, rows: int, test_rows: int) -> str:
+    """Preference pairs in a folder with train and test splits (trl-lib/ultrafeedback_binarized's layout)."""
+    folder.mkdir()
+    write_preference_jsonl(folder / "train.jsonl", rows)
+    write_preference_jsonl(folder / "test.jsonl", test_rows)
+    return str(folder)
