@@ -27,6 +27,20 @@ def test_table_lists_every_backend_and_a_recommendation(capsys):
     assert "vLLM engine (sleep level 1)" in out and "policy adapter optimizer" in out
 
 
+def test_the_plan_says_what_it_assumes_of_the_engine_in_the_configs_words(capsys):
+    """The plan counts the engine's memory as freed during training only when sleep mode is on, which the trainer's
+    config leaves off by default: the plan says which it assumed and how to get it."""
+    base = ["plan", *SEVEN_B, "--algo", "grpo", "--gpus-per-node", "1", "--gpu", "a100-80"]
+    assert cli_main([*base, "--lora-rank", "16"]) == 0
+    assert "assumes: vllm_enable_sleep_mode=True, vllm_sleep_level=1 (" in capsys.readouterr().out
+    assert cli_main(base) == 0  # full fine-tuning: level 2 (weights discarded and re-sent)
+    assert "assumes: vllm_enable_sleep_mode=True, vllm_sleep_level=2 (" in capsys.readouterr().out
+    assert cli_main([*base, "--no-sleep"]) == 0
+    assert "assumes: vllm_enable_sleep_mode=False (" in capsys.readouterr().out
+    assert cli_main([*base, "--no-vllm"]) == 0
+    assert "assumes: no vLLM engine in the training processes" in capsys.readouterr().out
+
+
 def test_json_has_fits_peak_and_roles_per_backend(capsys):
     args = ["plan", *SEVEN_B, "--algo", "ppo", "--gpus-per-node", "8", "--gpu", "h100", "--backend", "zero3"]
     assert cli_main([*args, "--backend", "ddp", "--json"]) == 0

@@ -228,6 +228,20 @@ def render_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def engine_assumption(run) -> str:
+    """What the plan assumes of the colocated engine, in the config's words: the trainer's own default keeps the
+    engine's memory during training (vllm_enable_sleep_mode=False), so a plan that counts on sleep says so."""
+    if not run.uses_engine:
+        return "assumes: no vLLM engine in the training processes"
+    if run.vllm_sleep:
+        level = run.sleep_level
+        return (
+            f"assumes: vllm_enable_sleep_mode=True, vllm_sleep_level={level} (the engine frees its GPU memory "
+            "during training; the config's default, False, keeps it: set both, or plan with --no-sleep)"
+        )
+    return "assumes: vllm_enable_sleep_mode=False (the engine keeps its GPU memory during training)"
+
+
 def render(report: PlanReport, split: dict | None, written: dict | None) -> str:
     model = report.run.model.complete()
     run = report.run
@@ -240,7 +254,7 @@ def render(report: PlanReport, split: dict | None, written: dict | None) -> str:
         f"{'colocated vLLM' if run.uses_engine else 'no vLLM engine'}; GPU {report.accelerator.name} "
         f"({report.accelerator.memory_gib:g} GiB)"
     )
-    parts = [head, ""] + [render_plan(p) + "\n" for p in report.plans]
+    parts = [head, engine_assumption(run), ""] + [render_plan(p) + "\n" for p in report.plans]
     rec = report.recommendation
     if rec is None:
         parts.append("recommendation: nothing fits on up to this many GPUs; add GPUs, LoRA, --offload, or shorten.")
