@@ -56,7 +56,7 @@ def run_pass(model, chunks, shared: bool) -> tuple[torch.Tensor, dict, list[bool
     model.zero_grad(set_to_none=True)
     losses, logps, decisions = [], [], []
     for ids, mask in chunks:
-        use_shared = shared and all_ranks_can_share(can_share_prefix(ids, mask, COMPLETION_LENGTH), sharded=True)
+        use_shared = shared and all_ranks_can_share(can_share_prefix(ids, mask, COMPLETION_LENGTH), collective=True)
         decisions.append(use_shared)
         if use_shared:
             result = shared_prefix_logps(model, ids, mask, COMPLETION_LENGTH, compute_entropy=True)

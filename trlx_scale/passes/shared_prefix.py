@@ -201,17 +201,18 @@ def can_share_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, logi
     return groups.num_groups < input_ids.size(0)
 
 
-def all_ranks_can_share(local: bool, sharded: bool, device: torch.device | str = "cpu") -> bool:
+def all_ranks_can_share(local: bool, collective: bool, device: torch.device | str = "cpu") -> bool:
     """Whether every rank takes the shared pass for its current chunk.
 
-    Under sharded parameters (ZeRO-3, FSDP2) each forward gathers the weights with collectives, so all ranks must run
-    the same forwards: the shared pass (two forwards) runs only if every rank's chunk has a repeated prompt, else
-    every rank takes the duplicated pass. One MAX all-reduce of one number per chunk ("some rank cannot"); none when
-    parameters are not sharded (replicas run their forwards independently). ``device``: where the collective's
-    tensor lives (the accelerator's device under NCCL)."""
+    Under several processes (``collective``) all ranks must run the same forwards: under sharded parameters (ZeRO-3,
+    FSDP2) each forward gathers the weights with collectives, and under DDP the reducer expects every rank's backward
+    to follow the same forwards (a rank running the shared pass's two forwards beside one running a single forward
+    hangs the all-reduce). So the shared pass runs only if every rank's chunk has a repeated prompt, else every rank
+    takes the duplicated pass. One MAX all-reduce of one number per chunk ("some rank cannot"); none in a single
+    process. ``device``: where the collective's tensor lives (the accelerator's device under NCCL)."""
     import torch.distributed as dist
 
-    if not sharded or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if not collective or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return local
     blocked = torch.tensor([0.0 if local else 1.0], device=device)
     dist.all_reduce(blocked, op=dist.ReduceOp.MAX)

@@ -178,9 +178,12 @@ class LogProbPassesMixin:
             )
         if auto and self.num_generations == 1:
             return "num_generations=1, so no prompt is repeated in a batch"
+        if auto and option(self.args, "max_tokens_per_microbatch"):
+            # The shared pass runs a chunk's rows whole (the prefix tree, where it is cheaper, is packed within the
+            # bound): it would break the memory bound the field sets.
+            return "max_tokens_per_microbatch bounds each forward's tokens, and the shared pass runs its rows whole"
         return unsupported_reason(self.accelerator.unwrap_model(model))
 
     def _all_ranks_can_share(self, local: bool) -> bool:
-        """The per-chunk decision, agreed by all ranks when parameters are sharded (``all_ranks_can_share``)."""
-        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        return all_ranks_can_share(local, sharded, device=self.accelerator.device)
+        """The per-chunk decision, agreed by all ranks whenever there are several (``all_ranks_can_share``)."""
+        return all_ranks_can_share(local, self.accelerator.num_processes > 1, device=self.accelerator.device)

@@ -122,12 +122,12 @@ class PaddingFreeMixin:
         metrics["batch/recomputed_forwards"].append(recomputed.max().item())
 
     def _agree_max(self, value: int) -> int:
-        """The largest of every rank's ``value`` under sharded parameters (ZeRO-3, FSDP2), where every rank must run
-        the same number of forwards; the rank's own value otherwise (replicas run their forwards independently)."""
+        """The largest of every rank's ``value`` under several processes, where every rank must run the same
+        forwards: sharded parameters (ZeRO-3, FSDP2) gather in each forward, and DDP broadcasts its buffers in each
+        forward and reduces gradients after it (a rank running another pass than its peer hangs both)."""
         import torch.distributed as dist
 
-        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        if not sharded or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
             return value
         tensor = torch.tensor([value], dtype=torch.long, device=self.accelerator.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
