@@ -319,6 +319,13 @@ def grpo(tmp_path, default_model_dir):
     return train
 
 
+def _text_reward(completions, **kwargs) -> list[float]:
+    """A reward that differs between completions whenever their texts do (sampled at temperature 1 they mostly do):
+    a policy gradient to compare at every step."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(map(ord, text)) % 7 / 7 for text in texts]
+
+
 def _mixed_length_prompts(size=48):
     """The addition prompts behind 0-4 repeats of a prefix: prompts of different lengths, so padded rows pad (every
     trainer test here uses them, so the packed runs do remove padding)."""
@@ -327,12 +334,12 @@ def _mixed_length_prompts(size=48):
     return Dataset.from_dict({"prompt": prompts, "answer": problems["answer"]})
 
 
-def _train(model, tmp_path, padding_free, trainer_cls, config_cls, peft_config, mixed=True, **overrides):
+def _train(model, tmp_path, padding_free, trainer_cls, config_cls, peft_config, mixed=True, rewards=None, **overrides):
     values = dict(max_completion_length=10, max_steps=3, padding_free=padding_free, seed=5)
     values.update(overrides)
     trainer = trainer_cls(
         model=model,
-        reward_funcs=exact_match_reward,
+        reward_funcs=rewards or exact_match_reward,
         args=small_grpo_config(tmp_path / padding_free, config_cls, **values),
         train_dataset=_mixed_length_prompts() if mixed else addition_dataset("train", size=48),
         peft_config=peft_config,
@@ -360,11 +367,18 @@ def test_every_loss_type_trains_like_the_padded_run(grpo, loss_type):
 
 
 def test_gspo_and_a_reference_pass_train_like_the_padded_run(grpo):
-    padded = grpo("false", loss_recipe="gspo", beta=0.05)
-    packed = grpo("true", loss_recipe="gspo", beta=0.05)
+    """A reward that varies within the groups gives the first step a policy gradient, so Adam's first update (and the
+    momentum the next steps carry) has a real direction and the KL to the reference grows from real updates. (With
+    exact match alone, a first step whose rewards were all zero left only the KL's gradient, zero up to rounding,
+    which Adam turned into lr-sized steps in directions set by rounding: the two runs' KLs compared noise.)"""
+    rewards = [exact_match_reward, _text_reward]
+    padded = grpo("false", loss_recipe="gspo", beta=0.05, rewards=rewards)
+    packed = grpo("true", loss_recipe="gspo", beta=0.05, rewards=rewards)
+    assert logged(padded, "reward_std")[0] > 0  # the first step's rewards differ: a real gradient
     torch.testing.assert_close(logged(packed, "loss"), logged(padded, "loss"), rtol=1e-5, atol=1e-6)
-    # The KL to the reference is ~1e-7 after these few steps: rounding-sized, so compared at 1e-6.
-    torch.testing.assert_close(logged(packed, "kl"), logged(padded, "kl"), rtol=1e-4, atol=1e-6)
+    kl = logged(padded, "kl")
+    assert kl[-1] > 1e-5, kl  # a KL grown by real updates, well above rounding
+    torch.testing.assert_close(logged(packed, "kl"), kl, rtol=1e-3, atol=1e-7)
 
 
 def test_ppo_policy_critic_and_reference_train_like_the_padded_run(grpo):
