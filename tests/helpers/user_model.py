@@ -22,9 +22,8 @@ def user_answer(index: int) -> str:
 
 def save_user_model(folder) -> str:
     """Save the model and tokenizer into ``folder``; return its path. Head size 32: one vLLM's CPU kernels take."""
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2Config
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -37,8 +36,12 @@ def save_user_model(folder) -> str:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
     )
-    torch.manual_seed(0)
-    config = Qwen2Config(
+    return _save(folder, Qwen2Config(**_small_decoder(tokenizer), tie_word_embeddings=True), tokenizer)
+
+
+def _small_decoder(tokenizer) -> dict:
+    """The fields of a 2-layer, 64-wide decoder over ``tokenizer`` (head size 32: one vLLM's CPU kernels take)."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -46,12 +49,19 @@ def save_user_model(folder) -> str:
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
+        bos_token_id=tokenizer.bos_token_id,
     )
-    model = Qwen2ForCausalLM(config)
+
+
+def _save(folder, config, tokenizer) -> str:
+    """A model of ``config`` with random weights (seeded), saved beside ``tokenizer`` as HF model files."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -92,39 +102,21 @@ def digit_reward(completions, **kwargs):
 
 def save_shrunk_model(folder, model_type: str) -> str:
     """A 2-layer, 64-wide model of ``model_type``'s architecture (qwen2, qwen3_moe with 4 experts, llama), random
-    weights, with the embedded model's tokenizer: a recipe's own architecture at a size CPU tests can train. Head
-    size 32: one vLLM's CPU kernels take."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3MoeConfig
+    weights, with the embedded model's tokenizer: a recipe's own architecture at a size CPU tests can train."""
+    from transformers import AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     from trlx_scale.tasks.default_model import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
+    fields = _small_decoder(tokenizer)
     configs = {
-        "qwen2": lambda: Qwen2Config(**common),
-        "llama": lambda: LlamaConfig(**common),
+        "qwen2": lambda: Qwen2Config(**fields),
+        "llama": lambda: LlamaConfig(**fields),
         "qwen3_moe": lambda: Qwen3MoeConfig(
-            **common, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+            **fields, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
         ),
     }
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(configs[model_type]())
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return _save(folder, configs[model_type](), tokenizer)
 
 
 def write_math_folder(folder, rows: int) -> str:
