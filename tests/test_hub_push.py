@@ -42,7 +42,7 @@ def _grpo(default_model_dir, tmp_path, **overrides):
 def test_lora_run_pushes_its_adapter_card_and_summary_and_no_stale_file(default_model_dir, tmp_path, fake_hub):
     (tmp_path / "notes-from-an-old-run.txt").write_text("stale")
     (tmp_path / "run_summary.json").write_text(json.dumps({"accuracy_before": 0.25, "accuracy_after": 0.5}))
-    trainer = _grpo(default_model_dir, tmp_path, optim_preset="grpo_lora", shared_prefix="auto")
+    trainer = _grpo(default_model_dir, tmp_path, optim_preset="grpo_lora", shared_prefix="true")
     trainer.train()
     trainer.push_to_hub(dataset_name="trlx_scale/addition")
     files = fake_hub.repos["tester/grpo-run"]
@@ -51,7 +51,7 @@ def test_lora_run_pushes_its_adapter_card_and_summary_and_no_stale_file(default_
     assert not any(name.startswith(("checkpoint-", "_hub_staging")) for name in files)
     card = files["README.md"].decode()
     assert "GRPO" in card and "## trlx_scale" in card
-    assert "`optim_preset`: `grpo_lora`" in card and "`shared_prefix`: `auto`" in card
+    assert "`optim_preset`: `grpo_lora`" in card and "`shared_prefix`: `true`" in card
     assert "| loss |" in card and "| reward |" in card
     assert "Held-out accuracy: 25.0% before training, 50.0% after." in card
     assert not (tmp_path / "_hub_staging").exists()  # cleaned up after a successful push

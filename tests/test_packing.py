@@ -393,8 +393,11 @@ def test_ppo_policy_critic_and_reference_train_like_the_padded_run(grpo):
 
 
 def test_metrics_show_the_padding_removed(grpo):
-    padded = grpo("false", max_completion_length=16, max_steps=2, mixed=True)
-    packed = grpo("true", max_completion_length=16, max_steps=2, max_tokens_per_microbatch=40, mixed=True)
+    # Each group's prompt duplicated in both runs (shared_prefix off), so the metrics compare the padding alone.
+    padded = grpo("false", max_completion_length=16, max_steps=2, mixed=True, shared_prefix="false")
+    packed = grpo(
+        "true", max_completion_length=16, max_steps=2, max_tokens_per_microbatch=40, mixed=True, shared_prefix="false"
+    )
     for key in ("batch/pad_frac", "batch/packing_ratio", "batch/rank_imbalance", "batch/tokens_per_microbatch"):
         assert len(logged(packed, key)) == 2 and len(logged(padded, key)) == 2, key
     assert all(

@@ -21,7 +21,7 @@ from .shared_fields import (
 
 
 # A plain TRL config keeps each sample on the rank that generated it, as TRL does.
-@registers_options(plain_trl_defaults={"balance_ranks": "false"})
+@registers_options(plain_trl_defaults={"balance_ranks": "false", "shared_prefix": "false"})
 @dataclass
 class GRPOConfig(
     AgentFields,
