@@ -161,3 +161,20 @@ def test_a_local_file_of_an_unknown_kind_is_refused_by_name(tmp_path):
     script_args, config, _, _ = parse_example_flags(grpo.EXAMPLE, ["--dataset_name", str(path)])
     with pytest.raises(ValueError, match=r"--dataset_name .*prompts.txt: a local file must end in one of"):
         load_prompt_task(script_args, config)
+
+
+def test_a_datasets_mixture_in_a_config_file_is_a_users_run(tmp_path):
+    """TRL's `datasets:` mixture (a --config YAML), as `trl grpo` reads it: the run is the user's (the config's
+    defaults, no demo settings) and trains on the mixture's rows."""
+    from trlx_scale import GRPOConfig
+    from trlx_scale.scripts import grpo
+    from trlx_scale.tasks.example_runtime import load_prompt_task, parse_example_flags, trains_embedded_task
+
+    data = write_prompt_parquet(tmp_path / "prompts.parquet", 30)
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(f"datasets:\n  - path: parquet\n    data_files: {data}\n    split: train\n")
+    script_args, config, _, mixture = parse_example_flags(grpo.EXAMPLE, ["--config", str(config_file)])
+    assert trains_embedded_task(script_args, mixture) is False
+    assert config.max_completion_length == GRPOConfig(use_cpu=True, bf16=False).max_completion_length
+    task = load_prompt_task(script_args, config, mixture)
+    assert len(task.train) == 30 and task.held_out is None

@@ -74,7 +74,7 @@ def load_data(script_args: DPOScriptArguments, config: DPOConfig, dataset_args=N
     trained on; under --eval_strategy the trainer evaluates the test split (the embedded task: held-out pairs)."""
     online = config.online
     evaluates = eval_strategy(config) != "no"
-    if trains_embedded_task(script_args):
+    if trains_embedded_task(script_args, dataset_args):
         size = script_args.train_size
         train = addition_dataset("train", size=size) if online else addition_preference_dataset("train", size=size)
         held_out = addition_dataset("held_out", size=script_args.eval_size) if script_args.eval_size else None

@@ -145,7 +145,7 @@ def load_prompt_task(script_args: TaskScriptArguments, config, dataset_args=None
     """The embedded addition task, or a user's prompt dataset with every training row trained on unless
     ``--eval_size N`` asks for N held-out rows (from ``--dataset_test_split`` when the dataset has it)."""
     evaluates = eval_strategy(config) != "no"
-    if trains_embedded_task(script_args):
+    if trains_embedded_task(script_args, dataset_args):
         train = addition_dataset("train", size=script_args.train_size)
         held_out = addition_dataset("held_out", size=script_args.eval_size or None)
         return TaskData(train, held_out, held_out if evaluates else None)
@@ -361,20 +361,20 @@ def script_parser(example: Example, prog: str | None = None) -> TrlParser:
     return TrlParser((example.script_args_cls, example.config_cls, ModelConfig, DatasetMixtureConfig), prog=prog)
 
 
-def trains_embedded_task(script_args) -> bool:
-    """A run trains an embedded task when it names no dataset (``--dataset_name`` or a ``datasets`` mixture): only
-    then do the demo's tuned settings apply. A user's dataset gets the config's defaults, as ``trl grpo`` gives."""
-    return not script_args.dataset_name and not getattr(script_args, "datasets", None)
+def trains_embedded_task(script_args, dataset_args: DatasetMixtureConfig | None = None) -> bool:
+    """A run trains an embedded task when it names no dataset (``--dataset_name``, or a ``datasets`` mixture in a
+    ``--config`` file): only then do the demo's tuned settings apply. A user's dataset gets the config's defaults, as
+    ``trl grpo`` gives them."""
+    return not script_args.dataset_name and not (dataset_args is not None and dataset_args.datasets)
 
 
 def _script_arguments_alone(example: Example, argv: list[str], recipe_values: dict[str, Any]):
-    """The script's own arguments (dataset, task), before any config default is chosen: which defaults apply depends
-    on them, and a config parsed with the wrong defaults could refuse flags that are valid with the right ones."""
+    """(script args, dataset mixture args) before any config default is chosen: which defaults apply depends on
+    them, and a config parsed with the wrong defaults could refuse flags that are valid with the right ones."""
     parser = TrlParser((example.script_args_cls, DatasetMixtureConfig), add_help=False)  # --help: the full parser's
     parser.set_defaults_with_config(**recipe_values)
     script_args, dataset_args, _ = parser.parse_args_and_config(argv, return_remaining_strings=True)
-    script_args.datasets = dataset_args.datasets
-    return script_args
+    return script_args, dataset_args
 
 
 def parse_example_flags(example: Example, argv: list[str]):
@@ -387,7 +387,7 @@ def parse_example_flags(example: Example, argv: list[str]):
     hardware's (fp32, the CPU device) apply to both."""
     argv, recipe_values = recipe_arguments(argv)
     class_defaults = {f.name: f.default for f in dataclasses.fields(example.config_cls)}
-    embedded = trains_embedded_task(_script_arguments_alone(example, argv, recipe_values))
+    embedded = trains_embedded_task(*_script_arguments_alone(example, argv, recipe_values))
 
     def parse(first_pass, first_script=None):
         # A parser per parse: TRL's parser keeps the defaults an earlier call set.
@@ -437,7 +437,7 @@ def run_example(example: Example, argv: list[str] | None = None) -> dict:
     """Parse the flags, train, measure held-out accuracy before and after, save (and push), print the summary."""
     argv = sys.argv[1:] if argv is None else argv
     script_args, config, model_args, dataset_args = parse_example_flags(example, argv)
-    embedded = trains_embedded_task(script_args)
+    embedded = trains_embedded_task(script_args, dataset_args)
     with_tools = script_args.task == CALCULATOR_TOOLS
     if with_tools:
         data = TaskData(*calculator_tool_run.task_data(script_args.train_size, script_args.eval_size))
