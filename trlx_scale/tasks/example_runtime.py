@@ -412,11 +412,14 @@ def parse_example_flags(example: Example, argv: list[str]):
             )
         return parser.parse_args_and_config(argv)
 
-    first_script, first_config, _, _ = parse(None)
+    first = parse(None)
+    first_script, first_config = first[0], first[1]
     calculator_tool_run.check_task(
         first_script.task, example.takes_tools, example.trainer_cls.__name__, first_script.dataset_name or None
     )
-    script_args, config, model_args, dataset_args = parse(first_config, first_script) if embedded else parse(None)
+    # The embedded task's defaults may depend on the first parse (DPO's --online, --task, --optim_preset); a user's
+    # run has its defaults already.
+    script_args, config, model_args, dataset_args = parse(first_config, first_script) if embedded else first
     # `--dataset_name ""` unsets a dataset a recipe or config file named: the embedded task then.
     script_args.dataset_name = script_args.dataset_name or None
     return script_args, config, model_args, dataset_args
