@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from trlx_scale import DPOConfig, DPOTrainer  # noqa: E402
 from trlx_scale.dpo.preference_pairs import completion_logprob_sums  # noqa: E402
+from trlx_scale.dpo.reference_engine import REF_SCORING_CHUNK  # noqa: E402
 from trlx_scale.tasks import addition_preference_dataset, default_model_path  # noqa: E402
-from trlx_scale.trainer.dpo_engine_mixin import REF_SCORING_CHUNK  # noqa: E402
 
 
 def trl_pass(trainer: DPOTrainer, batch_size: int) -> torch.Tensor:

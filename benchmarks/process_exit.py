@@ -25,7 +25,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORK = {
-    "import": "from trl import GRPOTrainer\nimport trlx_scale.trainer\n",
+    "import": "from trl import GRPOTrainer\nimport trlx_scale.grpo.trainer\n",
     "ppo": (
         "from trlx_scale.scripts.ppo import main as run_example\n"
         "run_example(['--max_steps', '1', '--eval_size', '8', '--per_device_train_batch_size', '16',\n"

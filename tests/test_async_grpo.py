@@ -1151,7 +1151,7 @@ def test_tool_trajectories_run_in_the_producer_token_in_token_out(
     assert logged(trainer, "async/tokens_after_update_frac") == [0.0, 0.0]
     assert sum(logged(trainer, "tools/timeout")) == 1.0
     # No reset runs on the trainer's thread: the producer's pool is reset off it, and TRL's own instances (drawn by
-    # its rollout, then unused) are not reset at all (trainer/environment_reset_mixin.py).
+    # its rollout, then unused) are not reset at all (agents/environment_resets.py).
     producer_made = [env for env in _Lookup.instances if env.reset_threads]
     assert not any("MainThread" in env.reset_threads for env in _Lookup.instances)
     assert len(producer_made) < len(_Lookup.instances)  # TRL drew instances of its own

@@ -1,4 +1,4 @@
-"""GRPOTrainer's tool-calling turns without lockstep (trainer/concurrent_tool_loop_mixin.py) on the real vLLM CPU engine:
+"""GRPOTrainer's tool-calling turns without lockstep (agents/colocated_tool_loop.py) on the real vLLM CPU engine:
 the same tokens, masks and messages as TRL's lockstep loop, a trajectory's tools never wait for the others', a hung
 tool is a tool error, and a TRL ``environment_factory`` environment runs unchanged."""
 
@@ -150,7 +150,7 @@ def test_a_trajectory_waiting_on_its_tool_holds_no_other_and_a_hung_tool_is_a_to
     )
     _, completions, _, _, calls, failures, _ = trainer.recorded_loop
     assert _WaitingCalculator.others_done.is_set()
-    # Each environment was reset once, off the trainer's thread (trainer/environment_reset_mixin.py).
+    # Each environment was reset once, off the trainer's thread (agents/environment_resets.py).
     assert len(_WaitingCalculator.reset_threads) == 8 and "MainThread" not in _WaitingCalculator.reset_threads
     assert calls == 16 and failures == 1  # 8 trajectories x 2 rounds; the one call past its timeout
     assert logged(trainer, "tools/timeout") == [1.0]

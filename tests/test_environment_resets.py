@@ -1,4 +1,4 @@
-"""A rollout's prompts with TRL's environments (trainer/environment_reset_mixin.py, compat/trl_rollout_environments.py):
+"""A rollout's prompts with TRL's environments (agents/environment_resets.py, compat/trl_rollout_environments.py):
 the instances TRL's pool hands out, reset at once under tool_timeout (or one after another under lockstep), their
 observations appended to the prompts as TRL appends them, the tool dicts TRL's driver reads; failures named."""
 
@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from trlx_scale.agents.environment_resets import EnvironmentResetMixin
 from trlx_scale.compat.trl_rollout_environments import (
     EnvironmentResetTimeout,
     draw_like_trl,
     run_resets,
     with_observation,
 )
-from trlx_scale.trainer.environment_reset_mixin import EnvironmentResetMixin
 
 
 class _Env:

@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from trlx_scale.generation.rollout_seeds import RolloutSeedContext, request_seed
+from trlx_scale.ppo.checkpoint_state import PPO_STATE_NAME
 from trlx_scale.reliability import CHECKPOINT_COMPLETE_MARKER
-from trlx_scale.trainer.ppo_checkpoint_state import PPO_STATE_NAME
 
 from .helpers.launch import LAUNCH_VARIABLES, REPO_ROOT
 

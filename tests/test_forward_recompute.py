@@ -160,7 +160,7 @@ def test_ppo_critic_trains_alike_with_recomputed_forwards(tmp_path, default_mode
     """The critic's packed forwards are recomputed too (counted where PPO calls run_forward: the policy's are in
     batch/recomputed_forwards). shared_base switches to the critic's adapter inside the forward, so the recompute,
     run during the backward, switches again: the values and the gradients are the kept run's."""
-    import trlx_scale.trainer.ppo_advantages as ppo_module  # where PPO's critic forwards run
+    import trlx_scale.ppo.rollout_advantages as ppo_module  # where PPO's critic forwards run
 
     calls = {"recomputed": 0}
 
@@ -244,7 +244,7 @@ def _layout(deepspeed_stage=None, fsdp=False, **fields):
     """A stand-in trainer for PaddingFreeMixin's decision: the config fields and the layout flags it reads."""
     from types import SimpleNamespace
 
-    from trlx_scale.trainer.padding_free_mixin import PaddingFreeMixin
+    from trlx_scale.passes.padding_free_choice import PaddingFreeMixin
 
     trainer = PaddingFreeMixin()
     trainer.args = SimpleNamespace(**fields)

@@ -1,4 +1,4 @@
-"""Gym-style environments through TRL's rollout_func contract (agents/gym_rollout.py, trainer/gym_rollout_mixin.py):
+"""Gym-style environments through TRL's rollout_func contract (agents/gym_rollout.py, agents/colocated_gym_rollout.py):
 GRPOTrainer runs the episodes on the real vLLM CPU engine, trains only the sampled tokens, resets each environment
 from its dataset row, and scores the discounted per-step rewards and the environment's own reward as columns.
 (AsyncGRPOTrainer's side is in tests/test_async_grpo.py, beside the module's server.)"""

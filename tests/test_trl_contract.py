@@ -10,15 +10,15 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 import trlx_scale
 from trlx_scale import AsyncGRPOTrainer, DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from trlx_scale.agents.colocated_tool_loop import ConcurrentToolLoopMixin
+from trlx_scale.agents.environment_resets import EnvironmentResetMixin
+from trlx_scale.async_grpo.tool_loop import AsyncToolLoopMixin
+from trlx_scale.dpo.online import OnlineDPOMixin
+from trlx_scale.dpo.reference_engine import DPOEngineMixin
+from trlx_scale.generation.colocated_engine_setup import ColocatedEngineMixin
 from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
-from trlx_scale.trainer.async_tool_loop import AsyncToolLoopMixin
-from trlx_scale.trainer.colocated_engine_mixin import ColocatedEngineMixin
-from trlx_scale.trainer.concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
-from trlx_scale.trainer.dpo_engine_mixin import DPOEngineMixin
-from trlx_scale.trainer.environment_reset_mixin import EnvironmentResetMixin
-from trlx_scale.trainer.logprob_passes_mixin import LogProbPassesMixin
-from trlx_scale.trainer.loss_pass_correction_mixin import LossPassCorrectionMixin
-from trlx_scale.trainer.online_dpo_mixin import OnlineDPOMixin
+from trlx_scale.grpo.logprob_passes import LogProbPassesMixin
+from trlx_scale.grpo.loss_pass_correction import LossPassCorrectionMixin
 
 # TRL's methods each trlx_scale class overrides (its own methods are not pinned: renaming them is trlx_scale's
 # business). The test fails when one disappears or changes signature upstream, and when a class starts to override
@@ -47,15 +47,13 @@ def _parameters(func):
 CONFIGS = ((GRPOConfig, trl.GRPOConfig), (DPOConfig, trl.DPOConfig), (PPOConfig, trl.GRPOConfig))
 
 
-def test_top_level_api_is_trainers_and_configs_and_old_demo_names_warn():
+def test_top_level_api_is_trainers_and_configs_only():
     assert set(trlx_scale.__all__) == {
         "AsyncGRPOConfig", "AsyncGRPOTrainer", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "PPOConfig",
         "PPOTrainer", "__version__",
     }  # fmt: skip
-    from trlx_scale.tasks import addition_dataset
-
-    with pytest.warns(FutureWarning, match="moved to trlx_scale.tasks.addition_dataset"):
-        assert trlx_scale.addition_dataset is addition_dataset
+    with pytest.raises(AttributeError, match="addition_dataset"):
+        trlx_scale.addition_dataset  # noqa: B018 - the demo harness lives in trlx_scale.tasks, not at the top
 
 
 def test_public_names():
@@ -147,7 +145,7 @@ def test_reliability_and_hub_mixins_override_trainer_methods_that_still_exist():
     from trlx_scale.reliability.checkpoints import AtomicCheckpointMixin
     from trlx_scale.reliability.nonfinite_guard import NonFiniteGuardMixin
     from trlx_scale.rollout.policy_version import PolicyVersionMixin
-    from trlx_scale.trainer.features import TrainerFeatures
+    from trlx_scale.trainer_features import TrainerFeatures
 
     overrides = {
         TrainerFeatures: ("training_step", "log"),
@@ -203,7 +201,7 @@ def test_phase_profiler_mixin_overrides_keep_trainer_signatures():
     from transformers import Trainer, TrainerCallback
 
     from trlx_scale.profiling.trainer_profiling import PhaseProfilerMixin
-    from trlx_scale.trainer.features import TrainerFeatures
+    from trlx_scale.trainer_features import TrainerFeatures
 
     assert hasattr(Trainer, "evaluate") and hasattr(PhaseProfilerMixin, "evaluate")
     for name in ("training_step", "log"):
@@ -224,7 +222,7 @@ def test_phase_profiler_mixin_overrides_keep_trainer_signatures():
 def test_planned_memory_mixin_overrides_keep_trainer_signatures():
     """The mixin wraps compute_loss (and TrainerFeatures log): every way TRL/transformers call them must still bind."""
     from trlx_scale.planning.trainer_memory import PlannedMemoryMixin
-    from trlx_scale.trainer.features import TrainerFeatures
+    from trlx_scale.trainer_features import TrainerFeatures
 
     assert _parameters(TrainerFeatures.log) == _parameters(trl.GRPOTrainer.log)
     for parent in (trl.GRPOTrainer, trl.DPOTrainer):
@@ -390,7 +388,7 @@ def test_trl_still_forces_reentrant_checkpointing_for_peft_under_zero3():
 
 
 def test_trl_rollout_lines_the_async_trainer_relies_on():
-    """AsyncGRPOTrainer (trainer/async_grpo_trainer.py) hands TRL completions and rewards through these calls: TRL
+    """AsyncGRPOTrainer (async_grpo/trainer.py) hands TRL completions and rewards through these calls: TRL
     must still sync through `sync_weights()` and generate through `generate(prompts=..., num_generations=...)`, keep
     the top-1 log-prob of each token, tokenize prompts in `_tokenize_prompts`, gather rewards across processes in
     `_calculate_rewards`, and sample prompts with the RepeatSampler the producer replays (rollout/prompt_stream.py)."""

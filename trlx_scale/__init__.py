@@ -10,7 +10,6 @@ The names below are imported on first use (PEP 562), so that ``import trlx_scale
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING
 
 from .compat.known_warnings import silence_known_warnings
@@ -21,17 +20,15 @@ silence_known_warnings()  # before anything imports TRL or vLLM (compat/known_wa
 
 # public name -> module that defines it
 _LAZY = {
-    "AsyncGRPOConfig": ".trainer",
-    "AsyncGRPOTrainer": ".trainer",
-    "DPOConfig": ".trainer",
-    "DPOTrainer": ".trainer",
-    "GRPOConfig": ".trainer",
-    "GRPOTrainer": ".trainer",
-    "PPOConfig": ".trainer",
-    "PPOTrainer": ".trainer",
+    "AsyncGRPOConfig": ".async_grpo.config",
+    "AsyncGRPOTrainer": ".async_grpo.trainer",
+    "DPOConfig": ".dpo.config",
+    "DPOTrainer": ".dpo.trainer",
+    "GRPOConfig": ".grpo.config",
+    "GRPOTrainer": ".grpo.trainer",
+    "PPOConfig": ".ppo.config",
+    "PPOTrainer": ".ppo.trainer",
 }
-# The demo harness moved to trlx_scale.tasks (0.2); these names keep working with a warning until 0.3.
-_MOVED_TO_TASKS = ("addition_dataset", "addition_preference_dataset", "default_model_path", "exact_match_reward")
 
 __all__ = [
     "AsyncGRPOConfig",
@@ -46,16 +43,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .trainer import (
-        AsyncGRPOConfig,
-        AsyncGRPOTrainer,
-        DPOConfig,
-        DPOTrainer,
-        GRPOConfig,
-        GRPOTrainer,
-        PPOConfig,
-        PPOTrainer,
-    )
+    from .async_grpo.config import AsyncGRPOConfig
+    from .async_grpo.trainer import AsyncGRPOTrainer
+    from .dpo.config import DPOConfig
+    from .dpo.trainer import DPOTrainer
+    from .grpo.config import GRPOConfig
+    from .grpo.trainer import GRPOTrainer
+    from .ppo.config import PPOConfig
+    from .ppo.trainer import PPOTrainer
 
 
 def __getattr__(name: str):
@@ -63,13 +58,6 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value  # later lookups skip this function
         return value
-    if name in _MOVED_TO_TASKS:
-        warnings.warn(
-            f"trlx_scale.{name} moved to trlx_scale.tasks.{name} (the demo harness); the old name is removed in 0.3.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(".tasks", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

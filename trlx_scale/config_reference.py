@@ -13,10 +13,10 @@ from typing import Any
 
 import trl
 
-from .trainer.async_grpo_config import AsyncGRPOConfig
-from .trainer.dpo_config import DPOConfig
-from .trainer.grpo_config import GRPOConfig
-from .trainer.ppo_config import PPOConfig
+from .async_grpo.config import AsyncGRPOConfig
+from .dpo.config import DPOConfig
+from .grpo.config import GRPOConfig
+from .ppo.config import PPOConfig
 
 CONFIGS: list[tuple[type, type]] = [
     (GRPOConfig, trl.GRPOConfig),

@@ -10,11 +10,11 @@
   ``server_turn_sampler`` is the one on vLLM servers (token ids in, sampled ids and log-probs out).
 
 - ``tool_call_continuation``: GRPOTrainer's turns after TRL's first, each trajectory at its own pace (wired by
-  ``trainer/concurrent_tool_loop_mixin.py``; ``agent_fields``: its config fields);
+  ``agents/colocated_tool_loop.py``; ``agent_fields``: its config fields);
 - ``server_tool_sampler``: ``AsyncGRPOTrainer``'s producer samples whole tool trajectories on the vLLM servers
-  (wired by ``trainer/async_tool_loop.py``);
+  (wired by ``async_grpo/tool_loop.py``);
 - ``gym_rollout``: ``GymRollout``, gym-style environments through TRL's ``rollout_func`` contract in every trainer
-  (wired by ``trainer/gym_rollout_mixin.py``; ``server_gym_sampler`` and ``trainer/async_gym_rollout.py`` under
+  (wired by ``agents/colocated_gym_rollout.py``; ``server_gym_sampler`` and ``async_grpo/gym_rollout.py`` under
   ``AsyncGRPOTrainer``);
 - ``reasoning_gym_environment``: Reasoning Gym's tasks as TRL's environment contract.
 """

@@ -1,6 +1,6 @@
 """The colocated engine's options and their rules, each in one place.
 
-The config fields (``trainer/shared_fields.py``) list these choices in their metadata (so ``--help`` shows them) and
+The config fields (``config_fields.py``) list these choices in their metadata (so ``--help`` shows them) and
 run these checks in ``__post_init__``, so a bad value fails before anything loads; the engine and its components run
 the same functions when they are built directly.
 """

@@ -1,6 +1,6 @@
 """Optimizer presets and fp32 master weights on a trlx_scale trainer (GRPO, PPO, DPO): one implementation for all.
 
-A trainer feature (``trlx_scale.trainer.features``): its ``_setup_master_weights`` runs in the trainer's one
+A trainer feature (``trlx_scale.trainer_features``): its ``_setup_master_weights`` runs in the trainer's one
 post-init step, ``_setup_features``.
 """
 

@@ -91,7 +91,7 @@ def backend_of(accelerator) -> tuple[str, bool]:
 
 
 class PlannedMemoryMixin:
-    """Logs ``memory/planned_peak_gib`` next to the measured peaks: a trainer feature (``trlx_scale.trainer.features``,
+    """Logs ``memory/planned_peak_gib`` next to the measured peaks: a trainer feature (``trlx_scale.trainer_features``,
     which calls ``_setup_planner_before_trl`` before TRL's ``__init__`` and adds ``_memory_log_metrics`` to every log).
     """
 

@@ -47,7 +47,7 @@ class StepRecord:
 
 
 class PhaseProfilerMixin:
-    """Times the phases of every step: a trainer feature (``trlx_scale.trainer.features``), which calls
+    """Times the phases of every step: a trainer feature (``trlx_scale.trainer_features``), which calls
     ``_setup_profiler_before_trl`` before TRL's ``__init__`` and ``_setup_profiler`` after it, wraps each
     ``training_step`` in ``_profiled_step`` and adds ``_profiler_log_metrics`` to every log."""
 

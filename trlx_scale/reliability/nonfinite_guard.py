@@ -34,7 +34,7 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 class NonFiniteGuardMixin:
-    """A trainer feature (``trlx_scale.trainer.features``: GRPO, PPO, DPO); ``_setup_nonfinite_guard`` runs in its
+    """A trainer feature (``trlx_scale.trainer_features``: GRPO, PPO, DPO); ``_setup_nonfinite_guard`` runs in its
     post-init step, ``_guard_note_loss`` after each training step, ``_guard_log_metrics`` in every log. Reads ``max_consecutive_skipped_steps``
     (None: its default; 0: the guard is off)."""
 

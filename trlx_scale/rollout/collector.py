@@ -2,7 +2,7 @@
 
 Every trlx_scale RL trainer (``GRPOTrainer``, ``PPOTrainer``, ``AsyncGRPOTrainer``) collects its rollouts here
 (``collect``), and online DPO its samples and their rewards (``sample_and_score``: stages 1, 2 and 5, from which
-``trainer/online_dpo_mixin.py`` builds its preference pairs). Each trainer supplies the stages that depend on its
+``dpo/online.py`` builds its preference pairs). Each trainer supplies the stages that depend on its
 engine (``RolloutSource``: the prompts, the engine's samples, the scorer's rewards); the collector runs them in one
 order for all. In order:
 

@@ -22,7 +22,7 @@ POLICY_VERSION_NAME = "policy_version.json"
 
 
 class PolicyVersionMixin:
-    """A trainer feature (``trlx_scale.trainer.features``): the ``policy_version`` counter and its checkpointing."""
+    """A trainer feature (``trlx_scale.trainer_features``): the ``policy_version`` counter and its checkpointing."""
 
     policy_version: int = 0
 

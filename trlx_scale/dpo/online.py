@@ -19,12 +19,12 @@ from accelerate.utils import gather, gather_object
 from transformers.utils import logging
 from trl.data_utils import is_conversational
 
-from ..dpo.online_pair_balance import balance_pairs, tie_pair_loss
-from ..dpo.preference_pairs import best_worst_pairs
 from ..options import option
 from ..reliability.reward_guard import raise_reward_errors
 from ..rollout.collector import RolloutCollector, RolloutSamples
 from ..rollout.reward_scoring import ConcurrentRewardScorer
+from .online_pair_balance import balance_pairs, tie_pair_loss
+from .preference_pairs import best_worst_pairs
 
 logger = logging.get_logger(__name__)
 

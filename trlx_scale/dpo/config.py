@@ -6,15 +6,15 @@ from dataclasses import dataclass, field
 
 from trl import DPOConfig as TRLDPOConfig
 
-from ..generation.engine_fields import ColocatedEngineFields
-from ..optim.preset_fields import OptimizerPresetFields
-from ..options import registers_options
-from ..passes.packing_fields import PackingFields
-from .shared_fields import (
+from ..config_fields import (
     HubFields,
     ProfilingFields,
     ReliabilityFields,
 )
+from ..generation.engine_fields import ColocatedEngineFields
+from ..optim.preset_fields import OptimizerPresetFields
+from ..options import registers_options
+from ..passes.packing_fields import PackingFields
 
 
 @registers_options(derived={"uses_engine": False})

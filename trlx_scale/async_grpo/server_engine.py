@@ -24,7 +24,7 @@ from ..rollout.async_producer import RolloutProducer
 from ..rollout.prompt_stream import RankPromptStream
 from ..rollout.reward_scoring import ConcurrentRewardScorer
 from ..rollout.staleness import StalenessSchedule
-from .async_tool_loop import served_context
+from .tool_loop import served_context
 
 
 class AsyncServerEngineMixin:

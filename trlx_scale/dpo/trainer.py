@@ -31,7 +31,6 @@ from trl import DPOTrainer as TRLDPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from ..atomic_files import write_text_atomically
-from ..dpo.online_pair_balance import check_multi_process_online_loss
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.engine import RolloutEngine
 from ..hub.secrets import check_tracker_uploads
@@ -39,6 +38,7 @@ from ..options import option
 from ..passes.logprob_pass import PassResult
 from ..passes.packed_model_call import PackedModelCall
 from ..passes.packed_rows import PackedRows
+from ..passes.padding_free_choice import PaddingFreeMixin
 from ..reliability.input_checks import (
     DPO_COLUMNS,
     ONLINE_DPO_COLUMNS,
@@ -47,11 +47,11 @@ from ..reliability.input_checks import (
     check_train_dataset,
 )
 from ..reliability.reward_guard import guard_reward_functions
-from .dpo_config import DPOConfig
-from .dpo_engine_mixin import DPOEngineMixin
-from .features import TrainerFeatures
-from .online_dpo_mixin import OnlineDPOMixin, keep_examples
-from .padding_free_mixin import PaddingFreeMixin
+from ..trainer_features import TrainerFeatures
+from .config import DPOConfig
+from .online import OnlineDPOMixin, keep_examples
+from .online_pair_balance import check_multi_process_online_loss
+from .reference_engine import DPOEngineMixin
 
 if TYPE_CHECKING:
     from datasets import DatasetDict, IterableDatasetDict

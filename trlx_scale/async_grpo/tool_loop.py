@@ -30,6 +30,7 @@ from typing import Any
 
 from trl.chat_template_utils import parse_response
 
+from ..agents.colocated_tool_loop import MAX_TOOL_THREADS
 from ..agents.server_tool_sampler import (
     FIRST_TURN_IDS,
     FIRST_TURN_LOGPROBS,
@@ -47,7 +48,6 @@ from ..compat.trl_tool_suffix import tool_suffix_renderer
 from ..options import option
 from ..rollout.async_producer import GroupRequest, SampledGroup
 from ..rollout.carried_values import ServedCompletionIds, groups_of
-from .concurrent_tool_loop_mixin import MAX_TOOL_THREADS
 
 
 class AsyncToolLoopMixin:

@@ -41,13 +41,13 @@ not run its setup.
 
 from __future__ import annotations
 
-from ..hub.push import HubPushMixin
-from ..optim.master_weights_mixin import MasterWeightsMixin
-from ..planning.trainer_memory import PlannedMemoryMixin
-from ..profiling.trainer_profiling import PhaseProfilerMixin
-from ..reliability.checkpoints import AtomicCheckpointMixin
-from ..reliability.nonfinite_guard import NonFiniteGuardMixin
-from ..rollout.policy_version import PolicyVersionMixin
+from .hub.push import HubPushMixin
+from .optim.master_weights_mixin import MasterWeightsMixin
+from .planning.trainer_memory import PlannedMemoryMixin
+from .profiling.trainer_profiling import PhaseProfilerMixin
+from .reliability.checkpoints import AtomicCheckpointMixin
+from .reliability.nonfinite_guard import NonFiniteGuardMixin
+from .rollout.policy_version import PolicyVersionMixin
 
 FEATURES: tuple[type, ...] = (
     PhaseProfilerMixin,

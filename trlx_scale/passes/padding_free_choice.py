@@ -12,9 +12,9 @@ import torch
 from ..auto_switch import resolve_switch
 from ..compat.checkpoint_with_cache import uses_reentrant_checkpointing
 from ..options import option
-from ..passes.logprob_pass import PassResult
-from ..passes.micro_batch_plan import attention_cost_coefficient
-from ..passes.packing_support import check_packing_isolated, packing_unsupported_reason
+from .logprob_pass import PassResult
+from .micro_batch_plan import attention_cost_coefficient
+from .packing_support import check_packing_isolated, packing_unsupported_reason
 
 
 class PaddingFreeMixin:

@@ -17,7 +17,7 @@ Where each part lives (mixins placed before TRL's class in the bases):
   GSPO-token's weights;
 - ``RolloutBufferCheckpointMixin``: a checkpoint inside a rollout's mini-batches resumes inside it;
 - ``RankBalanceMixin``, ``PaddingFreeMixin``: samples dealt to ranks by cost, packed rows;
-- ``TrainerFeatures`` (``trainer/features.py``): the cross-cutting features (profiler, non-finite guard, policy
+- ``TrainerFeatures`` (``trainer_features.py``): the cross-cutting features (profiler, non-finite guard, policy
   version, atomic checkpoints, Hub push, planned memory, fp32 masters).
 
 This file: the constructor, the rewards (trlx_scale's scorer, the asynchronous producer's too: TRL's arguments, the
@@ -36,26 +36,26 @@ from accelerate.utils import gather
 from transformers.utils import logging
 from trl import GRPOTrainer as TRLGRPOTrainer
 
+from ..agents.colocated_gym_rollout import GymRolloutMixin
+from ..agents.colocated_tool_loop import ConcurrentToolLoopMixin
+from ..agents.environment_resets import EnvironmentResetMixin
 from ..agents.gym_rollout import GymRollout
+from ..generation.colocated_engine_setup import ColocatedEngineMixin
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..hub.secrets import check_tracker_uploads
 from ..options import option
+from ..passes.padding_free_choice import PaddingFreeMixin
 from ..reliability.input_checks import GRPO_COLUMNS, check_dataset_columns, check_launch_matches, check_train_dataset
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
+from ..reliability.rollout_buffer_state import RolloutBufferCheckpointMixin
 from ..rollout.batch import RolloutBatch
 from ..rollout.collector import RolloutCollector, RolloutSamples
+from ..rollout.rank_balance_step import RankBalanceMixin
 from ..rollout.reward_scoring import TRL_REWARD_INPUTS, rollout_reward_scorer
-from .colocated_engine_mixin import ColocatedEngineMixin
-from .concurrent_tool_loop_mixin import ConcurrentToolLoopMixin
-from .environment_reset_mixin import EnvironmentResetMixin
-from .features import TrainerFeatures
-from .grpo_config import GRPOConfig
-from .gym_rollout_mixin import GymRolloutMixin
-from .logprob_passes_mixin import LogProbPassesMixin
-from .loss_pass_correction_mixin import LossPassCorrectionMixin
-from .padding_free_mixin import PaddingFreeMixin
-from .rank_balance_mixin import RankBalanceMixin
-from .rollout_buffer_checkpoint import RolloutBufferCheckpointMixin
+from ..trainer_features import TrainerFeatures
+from .config import GRPOConfig
+from .logprob_passes import LogProbPassesMixin
+from .loss_pass_correction import LossPassCorrectionMixin
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict

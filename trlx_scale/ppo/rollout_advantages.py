@@ -12,7 +12,8 @@ from ..options import option
 from ..passes.forward_recompute import recomputes, run_forward
 from ..passes.packed_rows import PackedRows, forward_token_limit
 from ..passes.packing_support import packing_unsupported_reason
-from ..ppo.advantages import (
+from ..rollout.batch import RolloutBatch
+from .advantages import (
     gae,
     kl_penalty_rewards,
     masked_whiten,
@@ -20,8 +21,7 @@ from ..ppo.advantages import (
     place_turn_rewards,
     turn_discounts,
 )
-from ..ppo.critic import SeparateCritic
-from ..rollout.batch import RolloutBatch
+from .critic import SeparateCritic
 
 logger = logging.get_logger(__name__)
 

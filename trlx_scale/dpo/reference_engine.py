@@ -15,11 +15,11 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from ..compat.vllm_cpu_lora_scoring import scoring_sync_mode
-from ..dpo.preference_pairs import completion_logprob_sums
+from ..generation.colocated_engine_setup import policy_version_of
 from ..generation.cpu_environment import running_on_cpu_only
 from ..generation.engine import RolloutEngine, build_engine
 from ..peft_models import is_peft_model
-from .colocated_engine_mixin import policy_version_of
+from .preference_pairs import completion_logprob_sums
 
 logger = logging.get_logger(__name__)
 

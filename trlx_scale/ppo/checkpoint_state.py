@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from ..ppo.critic import critic_state, load_critic_state
+from .critic import critic_state, load_critic_state
 
 PPO_STATE_NAME = "ppo_state.pt"
 

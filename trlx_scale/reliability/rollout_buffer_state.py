@@ -13,7 +13,7 @@ import torch
 from accelerate.utils import send_to_device
 from transformers.utils import logging
 
-from ..reliability.checkpoints import checkpoint_world_size
+from .checkpoints import checkpoint_world_size
 
 logger = logging.get_logger(__name__)
 

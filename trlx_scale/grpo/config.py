@@ -7,17 +7,17 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig as TRLGRPOConfig
 
 from ..agents.agent_fields import AgentFields
+from ..config_fields import (
+    HubFields,
+    ProfilingFields,
+    ReliabilityFields,
+)
 from ..generation.engine_fields import ColocatedEngineFields
 from ..losses.policy_losses import LEVELS
 from ..losses.recipes import LENGTH_WEIGHTED_LOSSES, RECIPES, apply_recipe
 from ..optim.preset_fields import OptimizerPresetFields
 from ..options import registers_options
 from ..passes.packing_fields import PackingFields
-from .shared_fields import (
-    HubFields,
-    ProfilingFields,
-    ReliabilityFields,
-)
 
 
 # A plain TRL config keeps each sample on the rank that generated it, as TRL does.

@@ -15,7 +15,7 @@ from transformers.utils import logging
 from ..auto_switch import resolve_switch
 from ..options import option
 from ..passes.micro_batch_plan import imbalance
-from ..rollout.rank_balance import (
+from .rank_balance import (
     balanced_rank_assignment,
     exchange_rows,
     rank_balance_blocker,

@@ -18,7 +18,7 @@ from ..passes import LogProbPass, PackedPass, PaddedPass, PassRequest, PassResul
 from ..passes.prefix_tree import PrefixTreePass, tree_is_cheaper
 from ..passes.shared_prefix import all_ranks_can_share, unsupported_reason
 from ..peft_models import is_peft_model
-from .loss_pass_correction_mixin import loss_pass_batch
+from .loss_pass_correction import loss_pass_batch
 
 
 class LogProbPassesMixin:

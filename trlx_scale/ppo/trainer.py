@@ -46,17 +46,17 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from ..agents.gym_rollout import GymRollout
+from ..grpo.trainer import GRPOTrainer
 from ..losses.value_loss import clipped_value_loss
 from ..optim.master_weights import FP32MasterAdamW
-from ..ppo.critic import VALUE_HEAD_MODULE, SeparateCritic, SharedBaseCritic
-from ..ppo.critic_training import CriticBackend, DistributedCritic
-from ..ppo.kl_controller import AdaptiveKLController, FixedKLController
 from ..rollout.batch import RolloutBatch
-from .grpo_trainer import GRPOTrainer
-from .ppo_advantages import PPOAdvantagesMixin
-from .ppo_checkpoint_state import PPOCheckpointStateMixin
-from .ppo_config import PPOConfig
-from .ppo_roles import PPORolesMixin
+from .checkpoint_state import PPOCheckpointStateMixin
+from .config import PPOConfig
+from .critic import VALUE_HEAD_MODULE, SeparateCritic, SharedBaseCritic
+from .critic_training import CriticBackend, DistributedCritic
+from .kl_controller import AdaptiveKLController, FixedKLController
+from .roles import PPORolesMixin
+from .rollout_advantages import PPOAdvantagesMixin
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset

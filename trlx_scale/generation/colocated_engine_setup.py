@@ -12,9 +12,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..generation.engine import RolloutEngine, build_engine
 from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..options import option
+from .engine import RolloutEngine, build_engine
 
 
 class ColocatedEngineMixin:

@@ -26,16 +26,16 @@ from typing import Any
 from transformers.utils import logging
 from trl.chat_template_utils import parse_response
 
-from ..agents.colocated_turn_sampler import ColocatedTurnSampler
-from ..agents.tool_call_continuation import (
+from ..options import option
+from .colocated_turn_sampler import ColocatedTurnSampler
+from .tool_call_continuation import (
     STOP_REASONS,
     ContinuationLimits,
     TrajectoryState,
     continue_trajectories,
 )
-from ..agents.tool_runner import ToolRunner, ToolStats
-from ..agents.trajectory_tokens import TurnBudget
-from ..options import option
+from .tool_runner import ToolRunner, ToolStats
+from .trajectory_tokens import TurnBudget
 
 logger = logging.get_logger(__name__)
 

@@ -13,7 +13,7 @@ from trl.trainer.utils import add_fused_lm_head
 from ..optim.master_weights import FP32MasterAdamW
 from ..optim.presets import get_preset
 from ..peft_models import is_peft_model
-from ..ppo.critic import SeparateCritic, SharedBaseCritic
+from .critic import SeparateCritic, SharedBaseCritic
 
 
 class PPORolesMixin:

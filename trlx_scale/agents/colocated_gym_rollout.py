@@ -16,14 +16,14 @@ from typing import Any
 
 from trl.chat_template_utils import parse_response
 
-from ..agents.colocated_turn_sampler import ColocatedTurnSampler
-from ..agents.gym_rollout import GymRollout
-from ..agents.multi_turn_rollout import trajectory_metrics
-from ..agents.trajectory_tokens import ObservationRenderer, TurnBudget
 from ..options import option
 from ..rollout.carried_values import RolloutPrompts, rows_of
 from ..rollout.collector import RolloutSamples
-from .concurrent_tool_loop_mixin import _run_blocking
+from .colocated_tool_loop import _run_blocking
+from .colocated_turn_sampler import ColocatedTurnSampler
+from .gym_rollout import GymRollout
+from .multi_turn_rollout import trajectory_metrics
+from .trajectory_tokens import ObservationRenderer, TurnBudget
 
 
 class GymRolloutMixin:

@@ -50,6 +50,7 @@ from accelerate.utils import gather
 
 from ..agents.gym_rollout import GymRollout
 from ..generation.server_generation import ServerGeneration
+from ..grpo.trainer import GRPOTrainer
 from ..rollout.batch import RolloutBatch
 from ..rollout.carried_values import groups_of
 from ..rollout.collector import RolloutSamples
@@ -58,15 +59,14 @@ from ..rollout.prompt_stream import RankPromptStream
 from ..rollout.reward_logs import REWARD_LOG_KEY, replay_reward_logs
 from ..rollout.reward_processes import send_reward_functions_to_processes
 from ..rollout.staleness import StalenessSchedule
-from .async_behaviour_metrics import AsyncBehaviourMetricsMixin
-from .async_checkpoint_window import AsyncCheckpointWindowMixin
-from .async_grpo_config import AsyncGRPOConfig
-from .async_gym_rollout import AsyncGymRolloutMixin
-from .async_producer_feed import AsyncProducerFeedMixin
-from .async_server_engine import AsyncServerEngineMixin
-from .async_server_launch import AsyncServerLaunchMixin
-from .async_tool_loop import AsyncToolLoopMixin
-from .grpo_trainer import GRPOTrainer
+from .behaviour_metrics import AsyncBehaviourMetricsMixin
+from .checkpoint_window import AsyncCheckpointWindowMixin
+from .config import AsyncGRPOConfig
+from .gym_rollout import AsyncGymRolloutMixin
+from .producer_feed import AsyncProducerFeedMixin
+from .server_engine import AsyncServerEngineMixin
+from .server_launch import AsyncServerLaunchMixin
+from .tool_loop import AsyncToolLoopMixin
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict

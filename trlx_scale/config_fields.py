@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..generation.engine_options import check_positive
-from ..options import registers_options
+from .generation.engine_options import check_positive
+from .options import registers_options
 
 
 @registers_options()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..grpo.config import GRPOConfig
 from ..options import registers_options
-from .grpo_config import GRPOConfig
 
 
 @registers_options()
