@@ -46,6 +46,56 @@ def test_guard_locates_the_failing_sample_and_keeps_the_others():
     assert "long completion " in errors[0] and "..." in errors[0]  # the completion, truncated
 
 
+def test_a_batch_that_fails_once_and_then_scores_is_counted_and_warned_once(caplog):
+    """A transient failure (the batch call raises, every sample then scores) is no error, but it cost one call per
+    sample more: counted as a retry, and the first one of the function logged with the batch's error."""
+    calls = []
+
+    def flaky_judge(completions, **kwargs):
+        calls.append(len(completions))
+        if len(completions) > 1:
+            raise TimeoutError("judge timed out")
+        return [0.5]
+
+    guarded = GuardedRewardFunction(flaky_judge, mode="raise")
+    with caplog.at_level("WARNING", logger="trlx_scale.reliability.reward_guard"):
+        assert guarded(prompts=["a", "b", "c"], completions=["x", "y", "z"]) == [0.5, 0.5, 0.5]
+        assert guarded(prompts=["a", "b"], completions=["x", "y"]) == [0.5, 0.5]
+    assert calls == [3, 1, 1, 1, 2, 1, 1]  # N+1 calls per batch
+    assert guarded.pop_report() == ([], 0) and guarded.pop_retries() == 2 and guarded.pop_retries() == 0
+    warnings = [r.getMessage() for r in caplog.records if "flaky_judge" in r.getMessage()]
+    assert len(warnings) == 1 and "TimeoutError: judge timed out on a batch of 3" in warnings[0]
+
+
+def test_grpo_logs_the_retries_of_a_transient_reward_failure(default_model_dir, tmp_path):
+    def fails_every_other_batch(completions, **kwargs):
+        fails_every_other_batch.batches += len(completions) > 1
+        if len(completions) > 1 and fails_every_other_batch.batches % 2:
+            raise ConnectionError("verifier unreachable")
+        return [1.0] * len(completions)
+
+    fails_every_other_batch.batches = 0
+    trainer = _trainer(default_model_dir, tmp_path, [exact_match_reward, fails_every_other_batch])
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert logged(trainer, "reliability/reward_retries") == [1.0]  # the first step's batch; the second's scored
+
+
+def test_all_none_rewards_warn_with_trls_logger_and_words(default_model_dir, tmp_path, caplog):
+    """A user's log filter or test keyed on TRL's warning still sees it."""
+
+    def abstains(completions, **kwargs):
+        return [None] * len(completions)
+
+    trainer = _trainer(default_model_dir, tmp_path, [abstains], max_steps=1)
+    with caplog.at_level("WARNING", logger="trl.trainer.grpo_trainer"):
+        trainer.train()
+    messages = [r.getMessage() for r in caplog.records if r.name == "trl.trainer.grpo_trainer"]
+    # accelerate's logger (TRL's) prefixes the rank
+    assert any("All reward functions returned None for the following kwargs:\n" in m for m in messages)
+    assert any("'completion':" in m and "'prompt':" in m for m in messages)
+
+
 def test_reward_models_and_async_functions_are_left_alone():
     async def async_reward(completions, **kwargs):
         return [0.0 for _ in completions]

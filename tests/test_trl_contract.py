@@ -512,3 +512,54 @@ def test_trls_generation_driver_passes_the_carried_values_through(default_model_
     assert groups_of(completion_ids, "TRL's _generate") is groups
     with pytest.raises(RuntimeError, match="without the server engine's groups"):
         groups_of([[5, 6]], "a driver that rebuilds the list")
+
+
+def _upstream_source(relative_path: str) -> str:
+    import importlib.util
+    from pathlib import Path
+
+    top = relative_path.split("/")[0]
+    site = Path(importlib.util.find_spec(top).origin).parent.parent
+    return (site / relative_path).read_text()
+
+
+def test_every_private_trl_attribute_the_package_touches_is_still_assigned_upstream():
+    """compat/trl_trainer_state.py is the one place trlx_scale reads or writes TRL's (and transformers') private
+    trainer state: each name it covers must still be assigned, as ``self.<name> =``, in the upstream file it names."""
+    from trlx_scale.compat import trl_trainer_state as state
+
+    assert state.supported(), f"TRL {trl.__version__} is not one compat/trl_trainer_state.py was checked against"
+    for name, path in {**state.TRAINER_ATTRIBUTES, **state.GENERATION_ATTRIBUTES}.items():
+        source = _upstream_source(path)
+        assigned = re.search(rf"\bself\.{name}\s*(?::[^=\n]*)?=(?!=)", source) or re.search(
+            rf"self\.{name}\s*,[^\n]*=|,\s*self\.{name}\s*=", source
+        )
+        assert assigned, f"{path} no longer assigns self.{name}: update compat/trl_trainer_state.py"
+
+
+def test_no_module_outside_compat_names_a_private_trl_attribute():
+    """The count the house keeps at 0: a private attribute assigned (``self._x =``) in TRL's trainer and generation
+    modules or transformers' Trainer, and not a method there, named anywhere in trlx_scale but compat/."""
+    import importlib.util
+    from pathlib import Path
+
+    upstream_files = [
+        *Path(importlib.util.find_spec("trl.trainer").origin).parent.glob("*.py"),
+        *Path(importlib.util.find_spec("trl.generation").origin).parent.glob("*.py"),
+        Path(importlib.util.find_spec("transformers.trainer").origin),
+    ]
+    attributes, methods = set(), set()
+    for path in upstream_files:
+        source = path.read_text()
+        attributes |= set(re.findall(r"\bself\.(_[a-z][a-z0-9_]*)\s*(?::[^=\n]*)?=(?!=)", source))
+        methods |= set(re.findall(r"^\s+def (_[a-z][a-z0-9_]*)\(", source, re.M))
+    private = attributes - methods
+    assert "_metrics" in private  # the scan reads TRL's assignments at all
+    package = Path(trlx_scale.__file__).parent
+    offenders = []
+    for path in package.rglob("*.py"):
+        if "compat" in path.relative_to(package).parts:
+            continue
+        for name in sorted(set(re.findall(r"\.(_[a-z][a-z0-9_]*)\b", path.read_text())) & private):
+            offenders.append(f"{path.relative_to(package)}: {name}")
+    assert offenders == []

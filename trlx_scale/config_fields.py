@@ -62,7 +62,9 @@ class ReliabilityFields:
             "help": "What a reward function that raises does to the run. 'raise': stop on every rank with an error "
             "naming the function, the sample index and its completion. 'skip': score that sample NaN (as TRL does "
             "with None: the other functions' rewards still count), count it in reliability/reward_errors, go on. "
-            "A reward of inf is an error in both modes.",
+            "A reward of inf is an error in both modes. A batch call that raises is retried sample by sample (one "
+            "call per sample: a paid judge is called N+1 times) to find the failing sample; each retry is counted in "
+            "reliability/reward_retries and the first of each function is logged with the batch's error.",
             "choices": list(REWARD_ERROR_MODES),
         },
     )

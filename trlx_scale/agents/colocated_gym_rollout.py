@@ -16,6 +16,7 @@ from typing import Any
 
 from trl.chat_template_utils import parse_response
 
+from ..compat import trl_trainer_state as trl_state
 from ..options import option
 from ..rollout.carried_values import RolloutPrompts, rows_of
 from ..rollout.collector import RolloutSamples
@@ -68,13 +69,13 @@ class GymRolloutMixin:
                     renderer=ObservationRenderer(self.processing_class, chat_template=self.chat_template),
                     parse=self._gym_turn_parser(),
                     budget=self._gym_budget(llm.llm_engine.model_config.max_model_len),
-                    tokenizer=self._tokenizer,
+                    tokenizer=trl_state.tokenizer(self),
                     prefix_mismatch=option(self.args, "prefix_mismatch"),
                 )
             )
         output = gym.trl_output(trajectories)
         self._count_generation(output["prompt_ids"], output["completion_ids"])
-        metrics = self._metrics[mode]
+        metrics = trl_state.metrics(self, mode)
         for name, value in trajectory_metrics(trajectories).items():
             metrics[name].append(value)
         if sampler.max_in_flight:
@@ -97,7 +98,7 @@ class GymRolloutMixin:
         """An assistant turn's message: TRL's ``parse_response`` where the tokenizer has a response template (tool
         calls read as TRL reads them), else the decoded text, as TRL decodes completions without one. ``tokenizer``:
         the trainer's by default (the asynchronous producer passes its own copy)."""
-        tokenizer = tokenizer if tokenizer is not None else self._tokenizer
+        tokenizer = tokenizer if tokenizer is not None else trl_state.tokenizer(self)
         if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
             return lambda ids: parse_response(tokenizer, ids)
         return lambda ids: {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}

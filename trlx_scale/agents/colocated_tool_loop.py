@@ -26,6 +26,7 @@ from typing import Any
 from transformers.utils import logging
 from trl.chat_template_utils import parse_response
 
+from ..compat import trl_trainer_state as trl_state
 from ..options import option
 from .colocated_turn_sampler import ColocatedTurnSampler
 from .tool_call_continuation import (
@@ -77,7 +78,7 @@ class ConcurrentToolLoopMixin:
         )
         timeout = option(self.args, "tool_timeout")
         runners = [
-            ToolRunner({**self._sync_tool_dicts[i], **self._async_tool_dicts[i]}, timeout=timeout, executor=executor)
+            ToolRunner(trl_state.rollout_tools(self, i), timeout=timeout, executor=executor)
             for i in range(len(states))
         ]
         mode = "train" if self.model.training else "eval"
@@ -130,7 +131,7 @@ class ConcurrentToolLoopMixin:
             max_tool_response_tokens=option(self.args, "max_tool_response_tokens"),
             tool_response_overflow=option(self.args, "tool_response_overflow"),
         )
-        return lambda message: budget.fit_tool_message(message, self._tokenizer)
+        return lambda message: budget.fit_tool_message(message, trl_state.tokenizer(self))
 
     def _template_prefix_check(self, processing_class):
         """``prefix_mismatch_at(conversation, held ids, tools)`` on ``processing_class``: where the held ids stop
@@ -165,19 +166,19 @@ class ConcurrentToolLoopMixin:
             return "the concurrent loop needs trlx_scale's colocated vLLM engine (use_vllm=True, vllm_mode='colocate')"
         if engine.tensor_parallel_size > 1:
             return "a tensor-parallel engine's ranks sample every request together"
-        if images is not None or multimodal_fields or self._is_vlm:
+        if images is not None or multimodal_fields or trl_state.is_vlm(self):
             return "image inputs"
         return None
 
     def _tools_of_rollouts(self, count: int) -> list:
         """The tools each rollout's prompt was rendered with (what ``parse_response`` needs), as TRL picks them."""
         if self.environment_factories is not None:
-            return [self._env_tools[name] for name in self._batch_environments]
+            return [trl_state.environment_tool_schemas(self, name) for name in trl_state.batch_environments(self)]
         return [self.tools] * count
 
     def _parse_turn(self, ids: list[int], held: list[int], tools: list) -> dict:
         """A later turn's message, parsed as TRL's loop parses it (``held``: the ids the turn continued)."""
-        return parse_response(self._tokenizer, ids, prefix=held, tools=tools)
+        return parse_response(trl_state.tokenizer(self), ids, prefix=held, tools=tools)
 
     def _trajectory_seed(self, index: int, mode: str) -> int:
         """A trajectory's seed, from the run's seed, the rank, the step and its index: a resumed run samples the
@@ -191,7 +192,7 @@ class ConcurrentToolLoopMixin:
         """The ``tools/*`` and ``agents/*`` metrics of a rollout's trajectories (``states``: anything with their
         ``tool_rounds``, ``truncated_tool_responses``, ``prefix_mismatches`` and ``stop_reason``); ``max_in_flight``
         None: not measured."""
-        metrics = self._metrics[mode]
+        metrics = trl_state.metrics(self, mode)
         for name, value in stats.as_metrics().items():
             if name != "tools/failure_frequency":  # TRL logs its own, from the counts this loop returns
                 metrics[name].append(value)

@@ -16,6 +16,7 @@ from typing import Any
 from transformers.utils import logging
 
 from ..compat import trl_rollout_environments as environments
+from ..compat import trl_trainer_state as trl_state
 from ..options import option
 from ..reliability.rank_agreement import raise_if_any_rank_failed
 
@@ -29,7 +30,7 @@ class EnvironmentResetMixin:
         """The rows' prompts, each followed by its environment's observation where a reset returned one."""
         if self.environment_factories is None:
             if self.tools:  # TRL's driver reads each rollout's tools from these lists
-                self._sync_tool_dicts, self._async_tool_dicts = environments.tool_dicts(self, len(rows))
+                trl_state.set_tool_dicts(self, environments.tool_dicts(self, len(rows)))
             return [row["prompt"] for row in rows]
         prompts = [row["prompt"] if "prompt" in row else environments.empty_prompt() for row in rows]
         if not environments.supported() and not getattr(self, "_told_untested_environments", False):
@@ -41,10 +42,10 @@ class EnvironmentResetMixin:
             self._told_untested_environments = True
         observations, error = None, None
         try:
-            self._batch_environments = environments.environment_names(self, rows)
+            trl_state.set_batch_environments(self, environments.environment_names(self, rows))
             self.environments = environments.draw_like_trl(self, rows)
             if self.tools:
-                self._sync_tool_dicts, self._async_tool_dicts = environments.tool_dicts(self, len(rows))
+                trl_state.set_tool_dicts(self, environments.tool_dicts(self, len(rows)))
             if self._resets_trl_environments():
                 observations = self._reset_environments(rows)
         except Exception as failure:  # noqa: BLE001 - raised on every rank just below
@@ -55,7 +56,7 @@ class EnvironmentResetMixin:
         return [environments.with_observation(p, o) for p, o in zip(prompts, observations, strict=True)]
 
     def _reset_environments(self, rows: list[dict[str, Any]]) -> list:
-        arguments = [environments.reset_arguments(row, self._multi_environment) for row in rows]
+        arguments = [environments.reset_arguments(row, trl_state.multi_environment(self)) for row in rows]
         if option(self.args, "tool_scheduling") == "concurrent":
             return environments.run_resets(self.environments, arguments, option(self.args, "tool_timeout"))
         return [env.reset(**kwargs) for env, kwargs in zip(self.environments, arguments, strict=True)]

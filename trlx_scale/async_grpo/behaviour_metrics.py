@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compat import trl_trainer_state as trl_state
 from ..losses.vllm_importance_sampling import (
     behaviour_kl,
     is_sequence_level,
@@ -56,6 +57,6 @@ class AsyncBehaviourMetricsMixin:
             fraction = (changed * mask).sum() / mask.sum().clamp(min=1.0)
         stats = torch.stack([behaviour_kl(prox, behave, mask), fraction])
         stats = self.accelerator.gather(stats.unsqueeze(0)).mean(0)
-        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics = trl_state.metrics(self, "train" if self.model.training else "eval")
         metrics["async/sampler_trainer_kl"].append(stats[0].item())
         metrics["async/behaviour_weight_clip_frac"].append(stats[1].item())

@@ -16,6 +16,7 @@ from typing import Any
 from ..agents.gym_rollout import GymRollout
 from ..agents.server_gym_sampler import GYM_FIELDS, GYM_METRICS, ROLLOUT_KEYS, ServerGymGroupSampler
 from ..agents.trajectory_tokens import ObservationRenderer
+from ..compat import trl_trainer_state as trl_state
 from ..options import option
 from ..rollout.async_producer import SampledGroup
 from ..rollout.carried_values import ServedCompletionIds
@@ -72,7 +73,7 @@ class AsyncGymRolloutMixin:
         }
         for key in groups[0].extras[GYM_FIELDS]:
             output[key] = [value for group in groups for value in group.extras[GYM_FIELDS][key]]
-        metrics = self._metrics["train"]
+        metrics = trl_state.metrics(self, "train")
         for name in groups[0].extras[GYM_METRICS]:
             values = [group.extras[GYM_METRICS][name] for group in groups]
             metrics[name].append(sum(values) / len(values))

@@ -11,6 +11,7 @@ from typing import Any
 
 from trl.data_utils import is_conversational
 
+from ..compat import trl_trainer_state as trl_state
 from ..generation.rollout_seeds import RolloutSeedContext, request_seed
 from ..rollout.async_producer import GroupRequest, SampledGroup
 from ..rollout.reward_logs import REWARD_LOG_KEY, GroupRewardLog
@@ -42,15 +43,12 @@ class AsyncProducerFeedMixin:
         row is not part of that batch, so its own environment stands in for the call."""
         if self.environment_factories is None:
             return list(self._tokenize_prompts([row["prompt"]])[0][0])
-        batch = getattr(self, "_batch_environments", None)
-        self._batch_environments = [row.get("environment") if self._multi_environment else None]
+        batch = trl_state.batch_environments(self)
+        trl_state.set_batch_environments(self, [row.get("environment") if trl_state.multi_environment(self) else None])
         try:
             return list(self._tokenize_prompts([row["prompt"]])[0][0])
         finally:
-            if batch is None:
-                del self._batch_environments
-            else:
-                self._batch_environments = batch
+            trl_state.set_batch_environments(self, batch)
 
     def _producer_prompt(self, index: int) -> dict[str, Any]:
         with self._prompt_lock:

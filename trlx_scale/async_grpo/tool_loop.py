@@ -44,6 +44,7 @@ from ..agents.server_tool_sampler import (
 from ..agents.tool_call_continuation import ContinuationLimits
 from ..agents.tool_runner import ToolStats, bounded_call
 from ..agents.trajectory_tokens import TurnBudget
+from ..compat import trl_trainer_state as trl_state
 from ..compat.trl_tool_suffix import tool_suffix_renderer
 from ..options import option
 from ..rollout.async_producer import GroupRequest, SampledGroup
@@ -115,18 +116,23 @@ class AsyncToolLoopMixin:
         row = request.prompt["row"]
         count = request.num_generations
         if self.environment_factories is None:
-            functions = {tool.__name__: tool for tool in self._standalone_tools}
+            functions = {tool.__name__: tool for tool in trl_state.standalone_tools(self)}
             return [TrajectoryTools(functions, self.tools) for _ in range(count)]
-        name = row.get("environment") if self._multi_environment else None
+        name = row.get("environment") if trl_state.multi_environment(self) else None
         if name not in self.environment_factories:
             raise ValueError(
                 f"Example has `environment={name!r}`, which is not among the environments passed to "
                 f"`environment_factory`. Expected one of: {list(self.environment_factories)}."
             )
-        reset_kwargs = {k: v for k, v in row.items() if k != "environment"} if self._multi_environment else row
+        reset_kwargs = (
+            {k: v for k, v in row.items() if k != "environment"} if trl_state.multi_environment(self) else row
+        )
         environments = [self._acquire_environment(name) for _ in range(count)]
         owned = [
-            TrajectoryTools(self._environment_functions(env), self._env_tools[name], env, name) for env in environments
+            TrajectoryTools(
+                self._environment_functions(env), trl_state.environment_tool_schemas(self, name), env, name
+            )
+            for env in environments
         ]
         try:
             observations = await asyncio.gather(
@@ -154,7 +160,7 @@ class AsyncToolLoopMixin:
             for member, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
             if member not in ("reset", "get_reward") and not member.startswith("_")
         ]
-        return {tool.__name__: tool for tool in [*self._standalone_tools, *methods]}
+        return {tool.__name__: tool for tool in [*trl_state.standalone_tools(self), *methods]}
 
     def _acquire_environment(self, name: Any) -> Any:
         with self._environment_lock:
@@ -216,7 +222,9 @@ class AsyncToolLoopMixin:
         self._record_tool_loop(stats, summaries, None, {}, "train")
         # Full weights: a reload between two turns of a trajectory (the later ones sampled by the newer version).
         crossed = [len(set(summary.turn_versions)) > 1 for summary in summaries]
-        self._metrics["train"]["async/trajectories_across_versions_frac"].append(sum(crossed) / max(len(crossed), 1))
+        trl_state.metrics(self, "train")["async/trajectories_across_versions_frac"].append(
+            sum(crossed) / max(len(crossed), 1)
+        )
         return (
             [mask for group in groups for mask in group.extras[TOOL_MASKS]],
             [list(messages) for group in groups for messages in group.completions],

@@ -49,6 +49,7 @@ import torch
 from accelerate.utils import gather
 
 from ..agents.gym_rollout import GymRollout
+from ..compat import trl_trainer_state as trl_state
 from ..generation.server_generation import ServerGeneration
 from ..grpo.trainer import GRPOTrainer
 from ..rollout.batch import RolloutBatch
@@ -172,7 +173,7 @@ class AsyncGRPOTrainer(
             rollout_func,
             "async_reward_processes",
         )
-        self._last_loaded_step = -1
+        trl_state.force_weight_sync(self)
         self.vllm_generation: ServerGeneration | None = None
         self._prompt_stream: RankPromptStream | None = None
         self._prompt_cache: dict[int, dict[str, Any]] = {}
@@ -261,7 +262,7 @@ class AsyncGRPOTrainer(
         if not self.model.training:
             return super()._finish_rollout(batch)
         lag = (self.policy_version - self.accelerator.gather(batch.policy_version)).float()
-        metrics = self._metrics["train"]
+        metrics = trl_state.metrics(self, "train")
         metrics["async/policy_version_lag_mean"].append(lag.mean().item())
         metrics["async/policy_version_lag_max"].append(lag.max().item())
         if batch.token_policy_version is not None:

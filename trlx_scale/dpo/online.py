@@ -19,6 +19,7 @@ from accelerate.utils import gather, gather_object
 from transformers.utils import logging
 from trl.data_utils import is_conversational
 
+from ..compat import trl_trainer_state as trl_state
 from ..options import option
 from ..reliability.reward_guard import raise_reward_errors
 from ..rollout.collector import RolloutCollector, RolloutSamples
@@ -42,7 +43,7 @@ class OnlineDPOMixin:
             raise ValueError(
                 f"online=True needs a 'prompt' column in the {dataset_name} dataset; it has {list(first)}."
             )
-        tokenizer = self._tokenizer
+        tokenizer = trl_state.tokenizer(self)
 
         def tokenize(example):
             if is_conversational(example):
@@ -77,7 +78,7 @@ class OnlineDPOMixin:
             world = self.accelerator.num_processes
             tie = tie_pair_loss(list(self.loss_types), self.loss_weights, self.beta)
             self._online_loss_offset = world * balanced.padding * tie / max(balanced.total, 1)
-            self._metrics["train"]["online/padding_pairs"].append(float(balanced.total_padding))
+            trl_state.metrics(self, "train")["online/padding_pairs"].append(float(balanced.total_padding))
         if not pairs:
             # Every prompt's samples scored the same: no preference to learn. A zero loss still runs backward, so
             # data-parallel ranks stay in step.
@@ -122,7 +123,7 @@ class OnlineDPOMixin:
         pairs, stats = best_worst_pairs(prompt_ids, completion_ids, rewards.view(len(examples), group))
         stats = self._global_round_stats(stats, len(pairs))
         for key, value in {**stats, **self._colocated_engine().pop_metrics()}.items():
-            self._metrics["train"][key if "/" in key else f"online/{key}"].append(value)
+            trl_state.metrics(self, "train")[key if "/" in key else f"online/{key}"].append(value)
         return pairs
 
     # ---------------------------------------------------------------- the collector's stages (RolloutSource)
@@ -141,7 +142,7 @@ class OnlineDPOMixin:
                 prompts=prompt_ids, images=None, num_generations=self.args.online_num_generations
             )
         self._count_generation(prompt_ids, completion_ids)
-        texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        texts = trl_state.tokenizer(self).batch_decode(completion_ids, skip_special_tokens=True)
         conversational = is_conversational(rows[0])
         return RolloutSamples(
             prompt_ids=prompt_ids,
@@ -171,13 +172,16 @@ class OnlineDPOMixin:
                 samples.completions,
                 samples.completion_ids,
                 trainer_state=copy.copy(self.state),
-                log_metric=lambda name, value: self._metrics["train"][name].append(value),
+                log_metric=lambda name, value: trl_state.metrics(self, "train")[name].append(value),
                 log_extra=lambda column, values: None,
                 **columns,
             )
-            skipped = raise_reward_errors(self.reward_funcs, self.accelerator)
-        if skipped or self.args.reward_errors == "skip":
-            self._metrics["train"]["reliability/reward_errors"].append(float(skipped))
+            report = raise_reward_errors(self.reward_funcs, self.accelerator)
+        metrics = trl_state.metrics(self, "train")
+        if report.skipped or self.args.reward_errors == "skip":
+            metrics["reliability/reward_errors"].append(float(report.skipped))
+        if report.retries:
+            metrics["reliability/reward_retries"].append(float(report.retries))
         return gather(torch.tensor(scores, dtype=torch.float32, device=self.accelerator.device))
 
 

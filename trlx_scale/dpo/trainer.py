@@ -31,6 +31,7 @@ from trl import DPOTrainer as TRLDPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from ..atomic_files import write_text_atomically
+from ..compat import trl_trainer_state as trl_state
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.engine import RolloutEngine
 from ..hub.secrets import check_tracker_uploads
@@ -157,7 +158,7 @@ class DPOTrainer(OnlineDPOMixin, DPOEngineMixin, PaddingFreeMixin, TrainerFeatur
             check_multi_process_online_loss(list(self.loss_types), bool(args.use_weighting))
         if self._online:
             self._pair_collator = DataCollatorForPreference(
-                pad_token_id=self._tokenizer.pad_token_id,
+                pad_token_id=trl_state.tokenizer(self).pad_token_id,
                 max_length=args.max_length,
                 truncation_mode=args.truncation_mode,
                 pad_to_multiple_of=args.pad_to_multiple_of,
@@ -224,7 +225,7 @@ class DPOTrainer(OnlineDPOMixin, DPOEngineMixin, PaddingFreeMixin, TrainerFeatur
         if self.args.should_save:
             write_text_atomically(
                 os.path.join(checkpoint_dir, DPO_STATE_NAME),
-                json.dumps({"total_train_tokens": self._total_train_tokens}),
+                json.dumps({"total_train_tokens": trl_state.total_train_tokens(self)}),
             )
 
     def _load_extra_state(self, checkpoint_dir: str) -> None:
@@ -232,7 +233,7 @@ class DPOTrainer(OnlineDPOMixin, DPOEngineMixin, PaddingFreeMixin, TrainerFeatur
         path = os.path.join(checkpoint_dir, DPO_STATE_NAME)
         if os.path.isfile(path):
             with open(path) as handle:
-                self._total_train_tokens = json.load(handle)["total_train_tokens"]
+                trl_state.set_total_train_tokens(self, json.load(handle)["total_train_tokens"])
 
 
 DPO_STATE_NAME = "dpo_state.json"

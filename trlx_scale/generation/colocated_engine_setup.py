@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..compat import trl_trainer_state as trl_state
 from ..optim.optimizer_offload import OptimizerStateOffloader
 from ..options import option
 from .engine import RolloutEngine, build_engine
@@ -77,10 +78,10 @@ class ColocatedEngineMixin:
         self._count_generation(prompt_ids, result[0])  # TRL returns (completion_ids, logprobs)
         mode = "train" if self.model.training else "eval"
         if offloader is not None:
-            self._metrics[mode]["memory/optimizer_offloaded_gib"].append(offloaded / 2**30)
+            trl_state.metrics(self, mode)["memory/optimizer_offloaded_gib"].append(offloaded / 2**30)
         if engine is not None:
             for name, value in engine.pop_metrics().items():
-                self._metrics[mode][name].append(value)
+                trl_state.metrics(self, mode)[name].append(value)
         return result
 
     def _rollout_engine(self) -> RolloutEngine | None:

@@ -37,6 +37,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from trl.import_utils import is_vllm_available
 from trl.trainer.utils import ensure_master_addr_port
 
+from ..compat import trl_trainer_state as trl_state
 from ..compat.vllm_engine_finalizers import finalize_dropped_engines, in_process_engine_finalizer
 from ..compat.vllm_weight_reload import tied_weight_aliases, with_tied_aliases
 from ..peft_models import is_peft_model
@@ -107,7 +108,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         self.served_version: int | None = None  # the policy version the engine's weights are (None: not synced yet)
         self.transport: WeightTransport | None = None  # set with the vLLM engine (_init_vllm)
         self._tied_aliases: dict[str, str] | None = None
-        self._metrics: dict[str, float] = {}
+        self._step_metrics: dict[str, float] = {}
         # The trainer's step profiler (trlx_scale.profiling); a weight sync is its own phase inside generation.
         self.phase_timer = PhaseTimer(enabled=False)
         # Names of the trainer's parameters that are not the policy's weights (PPO's shared-base value head lives on
@@ -193,7 +194,9 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             log("LoRA-only weight sync is off (%s): merged full weights are sent instead.", why_not_lora)
         self.sleep_level = resolve_sleep_level(self.requested_sleep_level, self.sync_mode)
         if self.sync_mode == "lora":
-            self._lora_sync = LoRAAdapterSync(self.model, self._dist.gather_params, self._engine_torch_dtype())
+            self._lora_sync = LoRAAdapterSync(
+                self.model, trl_state.distributed_backend(self).gather_params, self._engine_torch_dtype()
+            )
 
         # A dropped trainer's engine, freed by the garbage collector inside this start-up, would reset vLLM's
         # process-global groups (and torch's default group) under the new engine: shut such engines down first,
@@ -216,7 +219,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         if self.enable_sleep_mode:
             # The engine loaded the checkpoint; nothing generates before the first sync, so hand the memory back.
             self.lifecycle.sleep()
-        self._llm_weights_sleeping = self.lifecycle.weights_discarded
+        trl_state.set_weights_sleeping(self, self.lifecycle.weights_discarded)
         # Keep ranks together after the (uneven) engine start-up; DeepSpeed hangs otherwise (TRL does the same).
         self.accelerator.wait_for_everyone()
 
@@ -282,16 +285,18 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             counter: dict[str, int] = {}
             self._push_weights(self._full_weights(counter))
             sent = counter.get("bytes", 0)
-        self._llm_weights_sleeping = False
-        self._metrics["sync/seconds"] = time.perf_counter() - start
-        self._metrics["sync/bytes"] = float(sent)
-        self._metrics["sync/lora_only"] = float(self.sync_mode == "lora")
+        trl_state.set_weights_sleeping(self, False)
+        self._step_metrics["sync/seconds"] = time.perf_counter() - start
+        self._step_metrics["sync/bytes"] = float(sent)
+        self._step_metrics["sync/lora_only"] = float(self.sync_mode == "lora")
 
     def _full_weights(self, counter: dict[str, int]):
         if self._tied_aliases is None:
             self._tied_aliases = tied_weight_aliases(self.model)
         dtype = self._engine_torch_dtype()
-        if is_peft_model(self.model) or (self._dist.is_fsdp and not is_fsdp2_sharded(self.model)):
+        if is_peft_model(self.model) or (
+            trl_state.distributed_backend(self).is_fsdp and not is_fsdp2_sharded(self.model)
+        ):
             # Merging an adapter needs the whole layer gathered, and FSDP1 gathers module by module: TRL's iterator.
             # Plain, ZeRO-3 (bucketed gathers) and FSDP2 (DTensor gathers) models stream through ours.
             def weights():
@@ -307,7 +312,9 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             params = [
                 (self._fix_param_name_to_vllm(n), p) for n, p in self.model.named_parameters() if not self._excluded(n)
             ]
-            named = full_weight_stream(params, self._dist.gather_params, dtype, self.sync_bucket_bytes, counter)
+            named = full_weight_stream(
+                params, trl_state.distributed_backend(self).gather_params, dtype, self.sync_bucket_bytes, counter
+            )
         return with_tied_aliases(named, self._tied_aliases)
 
     def _excluded(self, name: str) -> bool:
@@ -345,7 +352,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             seconds = time.perf_counter() - start
             memory_awake = _device_memory()
             self.lifecycle.end_generation(sleep=self.enable_sleep_mode)
-            self._llm_weights_sleeping = self.lifecycle.weights_discarded
+            trl_state.set_weights_sleeping(self, self.lifecycle.weights_discarded)
         self._record_generation(result[1], seconds, memory_before, memory_awake)
         return result
 
@@ -370,9 +377,9 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         try:
             yield self.llm.inner
         finally:
-            self._metrics["generation/later_turns_seconds"] = time.perf_counter() - start
+            self._step_metrics["generation/later_turns_seconds"] = time.perf_counter() - start
             self.lifecycle.end_generation(sleep=self.enable_sleep_mode)
-            self._llm_weights_sleeping = self.lifecycle.weights_discarded
+            trl_state.set_weights_sleeping(self, self.lifecycle.weights_discarded)
 
     def turn_sampling_params(self, max_tokens: int, seed: int | None) -> Any:
         """``SamplingParams`` of one later turn: TRL's colocate parameters (``generate``: temperature, top-p/k,
@@ -403,7 +410,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
 
     def _record_generation(self, completion_ids, seconds: float, memory_before, memory_awake) -> None:
         tokens = sum(len(ids) for ids in completion_ids)
-        self._metrics.update(
+        self._step_metrics.update(
             {
                 "generation/seconds": seconds,
                 "generation/tokens_per_second": tokens / max(seconds, 1e-9),
@@ -414,9 +421,9 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             }
         )
         if memory_before is not None:
-            self._metrics["memory/device_gib_before_generation"] = memory_before
-            self._metrics["memory/device_gib_during_generation"] = memory_awake
-            self._metrics["memory/device_gib_after_sleep"] = _device_memory()
+            self._step_metrics["memory/device_gib_before_generation"] = memory_before
+            self._step_metrics["memory/device_gib_during_generation"] = memory_awake
+            self._step_metrics["memory/device_gib_after_sleep"] = _device_memory()
 
     def sequence_logprobs(self, sequences: list[list[int]], use_adapter: bool = False) -> list[list[float]]:
         """Log-prob of each token of each sequence given the tokens before it (``len - 1`` values per sequence).
@@ -438,9 +445,9 @@ class ColocatedVLLMGeneration(VLLMGeneration):
             lora_request=self.llm.lora_request if use_adapter else None,
             use_tqdm=False,
         )
-        self._metrics["scoring/seconds"] = time.perf_counter() - start
+        self._step_metrics["scoring/seconds"] = time.perf_counter() - start
         self.lifecycle.end_generation(sleep=self.enable_sleep_mode)
-        self._llm_weights_sleeping = self.lifecycle.weights_discarded
+        trl_state.set_weights_sleeping(self, self.lifecycle.weights_discarded)
         # prompt_logprobs[t] holds the sampled-or-actual token's entry for position t (None at t=0).
         return [
             [position[token].logprob for position, token in zip(output.prompt_logprobs[1:], ids[1:], strict=True)]
@@ -455,7 +462,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
 
     def pop_metrics(self) -> dict[str, float]:
         """Metrics of the rounds since the last call (the trainer logs them through TRL's metric path)."""
-        metrics, self._metrics = self._metrics, {}
+        metrics, self._step_metrics = self._step_metrics, {}
         return metrics
 
 

@@ -112,7 +112,7 @@ class ServerGeneration:
         self.phase_timer = PhaseTimer(enabled=False)
         self.excluded_parameter_prefixes: tuple[str, ...] = ()
         self._last_probe: torch.Tensor | None = None  # the trainer's probe log-probs of the last delivered version
-        self._metrics: dict[str, float] = {}
+        self._step_metrics: dict[str, float] = {}
         self._seed_context: RolloutSeedContext | None = None
         self._delivered: list[int] = []  # versions sent and not released (their files, on the main process)
         self._closed = False
@@ -168,10 +168,10 @@ class ServerGeneration:
         return True
 
     def _record_update(self, seconds: float, paused: float, background: bool) -> None:
-        self._metrics["sync/seconds"] = seconds
-        self._metrics["sync/paused_seconds"] = paused
-        self._metrics["sync/lora_only"] = float(self.sync_mode == "lora")
-        self._metrics["sync/background"] = float(background)
+        self._step_metrics["sync/seconds"] = seconds
+        self._step_metrics["sync/paused_seconds"] = paused
+        self._step_metrics["sync/lora_only"] = float(self.sync_mode == "lora")
+        self._step_metrics["sync/background"] = float(background)
 
     def _start_background_delivery(self, version: int) -> None:
         """The trainer's part of ``version``'s update now (the files, its probe log-probs, the prompts the version
@@ -258,7 +258,7 @@ class ServerGeneration:
         self._served_version = pending.version
         self._release_unused_versions()
         if gap is not None:  # the main process's check (as inline: the others log none)
-            self._metrics["sync/probe_logprob_gap"] = gap
+            self._step_metrics["sync/probe_logprob_gap"] = gap
         self._record_update(seconds, paused, background=True)
 
     def _on_every_rank(self, flag: bool) -> bool:
@@ -284,7 +284,7 @@ class ServerGeneration:
     def _count_delivered(self, version: int, delivery) -> None:
         self._delivered.append(version)
         if delivery.gathered_bytes is not None:
-            self._metrics["sync/gathered_bytes"] = delivery.gathered_bytes
+            self._step_metrics["sync/gathered_bytes"] = delivery.gathered_bytes
 
     @contextlib.contextmanager
     def _hold_for_reload(self):
@@ -342,7 +342,7 @@ class ServerGeneration:
         current = self._trainer_probe_logprobs()
         previous, self._last_probe = self._last_probe, current
         if self.accelerator.is_main_process:
-            self._metrics["sync/probe_logprob_gap"] = self._check_served_probe(version, current, previous)
+            self._step_metrics["sync/probe_logprob_gap"] = self._check_served_probe(version, current, previous)
 
     def _check_served_probe(self, version: int, current: torch.Tensor, previous: torch.Tensor | None) -> float:
         """The servers' log-probs of the probe against the trainer's ``current`` ones (``_verify``; the main
@@ -421,7 +421,7 @@ class ServerGeneration:
                         "the tokenizer settings differ between the two."
                     )
         for name, value in self.producer.pop_metrics().items():
-            self._metrics[name] = value
+            self._step_metrics[name] = value
         return groups
 
     def _generate_for_evaluation(self, prompts, num_generations):
@@ -448,7 +448,7 @@ class ServerGeneration:
         raise NotImplementedError("sequence scoring runs on the colocated engine (DPO), not on the server.")
 
     def pop_metrics(self) -> dict[str, float]:
-        metrics, self._metrics = self._metrics, {}
+        metrics, self._step_metrics = self._step_metrics, {}
         return metrics
 
     def close(self) -> None:

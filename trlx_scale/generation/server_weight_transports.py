@@ -98,7 +98,7 @@ class AdapterFilesTransport:
         self.accelerator = accelerator
         self.client = client
         self.files = _VersionFiles(weights_root)
-        self._dist = DistributedBackend(accelerator)
+        self._backend = DistributedBackend(accelerator)
 
     def deliver(self, model: torch.nn.Module, version: int) -> Delivery:
         main = self.accelerator.is_main_process
@@ -114,7 +114,7 @@ class AdapterFilesTransport:
             # memory at the 30B and 70B recipes' sizes.
             gathered = adapter_parameters(model)
             delivery.gathered_bytes = float(partitioned_bytes(gathered))
-            with torch.no_grad(), self._dist.gather_params(gathered):
+            with torch.no_grad(), self._backend.gather_params(gathered):
                 if main:
                     path = self.files.directory(version, _model_bytes(model, None))
                     self.files.directories[version] = server_weights.write_adapter(model, path)
@@ -145,7 +145,7 @@ class FullWeightFilesTransport:
         self.client = client
         self.weights_dtype = weights_dtype  # the servers' dtype: the files are written in it
         self.files = _VersionFiles(weights_root)
-        self._dist = DistributedBackend(accelerator)
+        self._backend = DistributedBackend(accelerator)
 
     def deliver(self, model: torch.nn.Module, version: int) -> Delivery:
         delivery = self.write(model, version)
@@ -168,7 +168,7 @@ class FullWeightFilesTransport:
         else:
             gathered = list(model.parameters())
             delivery.gathered_bytes = float(partitioned_bytes(gathered))
-            with torch.no_grad(), self._dist.gather_params(gathered):
+            with torch.no_grad(), self._backend.gather_params(gathered):
                 if main:
                     path = self.files.directory(version, size)
                     if is_peft_model(model):
@@ -224,7 +224,7 @@ class _FullWeightSource:
 
     def __init__(self, model: torch.nn.Module, accelerator: Any, dtype: torch.dtype | None):
         self.model, self.dtype = model, dtype
-        self._dist = DistributedBackend(accelerator)
+        self._backend = DistributedBackend(accelerator)
 
     def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
         peft = is_peft_model(self.model)
@@ -246,7 +246,7 @@ class _FullWeightSource:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self._named():
-            with torch.no_grad(), self._dist.gather_params([param]):
+            with torch.no_grad(), self._backend.gather_params([param]):
                 yield name, param.detach().to(self.dtype or param.dtype).contiguous()
 
 

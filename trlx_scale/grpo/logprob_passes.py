@@ -13,6 +13,7 @@ import contextlib
 import torch
 
 from ..auto_switch import resolve_switch
+from ..compat import trl_trainer_state as trl_state
 from ..options import option
 from ..passes import LogProbPass, PackedPass, PaddedPass, PassRequest, PassResult, SharedPrefixPass
 from ..passes.prefix_tree import PrefixTreePass, tree_is_cheaper
@@ -130,7 +131,7 @@ class LogProbPassesMixin:
         self._count_logprob_pass(result.row_lengths, training=training, token_ratio=result.token_ratio)
         mode = "train" if self.model.training else "eval"
         if result.chunk_token_ratios:
-            self._metrics[mode]["shared_prefix/token_ratio"].extend(result.chunk_token_ratios)
+            trl_state.metrics(self, mode)["shared_prefix/token_ratio"].extend(result.chunk_token_ratios)
         if training:
             self._record_layout(result)
 

@@ -20,6 +20,7 @@ from contextvars import ContextVar
 
 import torch
 
+from ..compat import trl_trainer_state as trl_state
 from ..losses.policy_losses import log_importance_weights
 from ..losses.vllm_importance_sampling import vllm_importance_sampling_ratio
 from ..options import option
@@ -93,7 +94,7 @@ class LossPassCorrectionMixin:
             self._sequence_weight_normalisation(),
         )
         inputs["importance_sampling_ratio"] = ratio
-        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics = trl_state.metrics(self, "train" if self.model.training else "eval")
         log_importance_sampling(self, metrics, old, sampling, ratio, mask)
 
     def _sequence_weight_normalisation(self) -> str:

@@ -32,14 +32,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.logging import get_logger
 from accelerate.utils import gather
-from transformers.utils import logging
 from trl import GRPOTrainer as TRLGRPOTrainer
 
 from ..agents.colocated_gym_rollout import GymRolloutMixin
 from ..agents.colocated_tool_loop import ConcurrentToolLoopMixin
 from ..agents.environment_resets import EnvironmentResetMixin
 from ..agents.gym_rollout import GymRollout
+from ..compat import trl_trainer_state as trl_state
 from ..generation.colocated_engine_setup import ColocatedEngineMixin
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..hub.secrets import check_tracker_uploads
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
         TrainerCallback,
     )
 
-logger = logging.get_logger(__name__)
+trl_grpo_logger = get_logger("trl.trainer.grpo_trainer")  # the logger TRL's GRPOTrainer warns on
 
 
 class GRPOTrainer(
@@ -168,7 +169,7 @@ class GRPOTrainer(
             self.vllm_generation = self._build_colocated_engine()
             # TRL's _generate_single_turn reads its own tag before calling sync_weights; the engine's sync is the
             # version comparison (ensure_version), so TRL's tag only saves a call per micro-batch.
-            self._last_loaded_step = -1
+            trl_state.force_weight_sync(self)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
         try:
@@ -217,21 +218,27 @@ class GRPOTrainer(
             **columns,
         )
         rewards = torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device)
-        if torch.isnan(rewards).all(dim=1).any():  # TRL's warning
+        if torch.isnan(rewards).all(dim=1).any():
             row = int(torch.isnan(rewards).all(dim=1).nonzero()[0, 0])
-            logger.warning(
-                f"All reward functions returned None for sample {row} (prompt {prompts[row]!r}, completion "
-                f"{completions[row]!r}). Please ensure that at least one reward function returns a valid reward."
+            row_kwargs = {key: values[row] for key, values in columns.items()}
+            row_kwargs["prompt"], row_kwargs["completion"] = prompts[row], completions[row]
+            # TRL's logger and words, so that a user's log filter or test keyed on TRL's warning still sees it.
+            trl_grpo_logger.warning(
+                f"All reward functions returned None for the following kwargs:\n{row_kwargs}\n"
+                "Please ensure that at least one reward function returns a valid reward."
             )
         return gather(rewards)
 
     def _report_reward_errors(self) -> None:
         """The guarded reward functions' failures as the same error on every rank (call it at the same point on
-        each); in skip mode, the count of samples scored NaN as ``reliability/reward_errors``."""
-        skipped = raise_reward_errors(self.reward_funcs, self.accelerator)
+        each); in skip mode, the count of samples scored NaN as ``reliability/reward_errors``; batch calls retried
+        sample by sample as ``reliability/reward_retries``."""
+        report = raise_reward_errors(self.reward_funcs, self.accelerator)
+        metrics = trl_state.metrics(self, "train" if self.model.training else "eval")
         if option(self.args, "reward_errors") == "skip":
-            mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["reliability/reward_errors"].append(float(skipped))
+            metrics["reliability/reward_errors"].append(float(report.skipped))
+        if report.retries:
+            metrics["reliability/reward_retries"].append(float(report.retries))
 
     def _generate_and_score_completions(self, inputs):
         """TRL's hook for a rollout: trlx_scale's collector (``rollout.collector``) builds the ``RolloutBatch``,
@@ -247,7 +254,7 @@ class GRPOTrainer(
 
     def _rollout_has_images(self, inputs) -> bool:
         """Rows with images, or a vision-language model's tools (whose results may carry images): TRL's rollout."""
-        return "images" in inputs[0] or "image" in inputs[0] or bool(self._is_vlm and self.tools)
+        return "images" in inputs[0] or "image" in inputs[0] or bool(trl_state.is_vlm(self) and self.tools)
 
     def _trl_rollout(self, inputs, version: int) -> RolloutBatch:
         """A rollout with image inputs, by TRL's ``_generate_and_score_completions`` (the processor's pixel inputs,
@@ -268,7 +275,7 @@ class GRPOTrainer(
             )
         output = super()._generate_and_score_completions(inputs)
         rows_all = output["completion_ids"].size(0) * self.accelerator.num_processes
-        logged = [list(self._logs["rewards"][name])[-rows_all:] for name in names]
+        logged = [list(trl_state.reward_logs(self)["rewards"][name])[-rows_all:] for name in names]
         if any(len(values) != rows_all for values in logged):
             raise ValueError(
                 f"a rollout with images has {rows_all} rows, more than TRL's reward log keeps (generation_batch_size="
@@ -301,5 +308,5 @@ class GRPOTrainer(
             ("sampling/sampling_logp_difference/mean", "sync/logprob_gap_mean"),
             ("sampling/sampling_logp_difference/max", "sync/logprob_gap_max"),
         ):
-            if self._metrics[mode].get(source):
-                self._metrics[mode][target] = list(self._metrics[mode][source])
+            if trl_state.metrics(self, mode).get(source):
+                trl_state.metrics(self, mode)[target] = list(trl_state.metrics(self, mode)[source])

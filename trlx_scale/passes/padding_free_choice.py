@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..auto_switch import resolve_switch
+from ..compat import trl_trainer_state as trl_state
 from ..compat.checkpoint_with_cache import uses_reentrant_checkpointing
 from ..options import option
 from .logprob_pass import PassResult
@@ -112,7 +113,7 @@ class PaddingFreeMixin:
         local = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.accelerator.device)
         ranks = self.accelerator.gather(local.unsqueeze(0)).reshape(-1, local.numel())
         processed, padding, real, costs, forwards, oversize, recomputed = ranks.unbind(dim=1)
-        metrics = self._metrics[mode]
+        metrics = trl_state.metrics(self, mode)
         metrics["batch/pad_frac"].append(padding.sum().item() / processed.sum().item())
         metrics["batch/packing_ratio"].append(processed.sum().item() / max(real.sum().item(), 1.0))
         metrics["batch/rank_imbalance"].append((costs.max() / costs.mean().clamp(min=1e-12)).item())

@@ -8,6 +8,7 @@ import torch
 from transformers.utils import logging
 
 from ..agents.gym_rollout import TURN_REWARDS
+from ..compat import trl_trainer_state as trl_state
 from ..options import option
 from ..passes.forward_recompute import recomputes, run_forward
 from ..passes.packed_rows import PackedRows, forward_token_limit
@@ -92,7 +93,7 @@ class PPOAdvantagesMixin:
         local = torch.stack([value.float().reshape(()).to(self.accelerator.device) for value in metrics.values()])
         means = self.accelerator.gather(local.unsqueeze(0)).reshape(-1, len(metrics)).mean(dim=0).tolist()
         for key, mean in zip(metrics, means, strict=True):
-            self._metrics[mode][key].append(mean)
+            trl_state.metrics(self, mode)[key].append(mean)
         return batch
 
     def _own_turn_reward_column(self) -> int | None:

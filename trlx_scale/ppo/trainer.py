@@ -46,6 +46,7 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from ..agents.gym_rollout import GymRollout
+from ..compat import trl_trainer_state as trl_state
 from ..grpo.trainer import GRPOTrainer
 from ..losses.value_loss import clipped_value_loss
 from ..optim.master_weights import FP32MasterAdamW
@@ -227,14 +228,16 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, PPOCheckpointStateMixin, GRP
         # Logged (and compared with target_kl) as means over every rank's tokens: the gathered mean of the shares.
         value_loss, value_clip, approx_kl = value_loss_for_gradient, value_clip * to_global, approx_kl * to_global
         for key, value in (("value_loss", value_loss), ("value_clipfrac", value_clip), ("approx_kl", approx_kl)):
-            self._metrics[mode][f"ppo/{key}"].append(self.accelerator.gather(value.detach().reshape(1)).mean().item())
+            trl_state.metrics(self, mode)[f"ppo/{key}"].append(
+                self.accelerator.gather(value.detach().reshape(1)).mean().item()
+            )
         target = self.args.target_kl
         stop = target is not None and self.accelerator.gather(approx_kl.detach().reshape(1)).mean() > 1.5 * target
         if stop:
             # This mini-batch still counts; the rest of the rollout's epochs are skipped: TRL regenerates when its
             # buffer is empty.
-            self._buffered_inputs = None
-        self._metrics[mode]["ppo/early_stopped"].append(float(stop))
+            trl_state.drop_buffered_rollout(self)
+        trl_state.metrics(self, mode)["ppo/early_stopped"].append(float(stop))
         scale = self.current_gradient_accumulation_steps
         critic_loss = self.args.vf_coef * value_loss_for_gradient / scale
         if self.critic_training is None:  # shared base: one graph, one backward, one optimizer

@@ -7,6 +7,11 @@ so the trainer reaches its collectives. ``raise_reward_errors`` then runs on eve
 all-reduce of a flag, and only when some rank failed, a gather of the messages, so every rank raises the same
 ``RewardFunctionError`` naming the function, the rank, the sample index and its (truncated) completion.
 
+A batch call that raises and is then scored sample by sample costs one more call per sample (a paid judge is
+called N+1 times): each such retry is counted (``reliability/reward_retries``, summed over ranks) and the first one of
+each function is logged with the batch's error, so a transient verifier failure is seen even when every sample then
+scores.
+
 With ``reward_errors="skip"`` a failing sample keeps NaN, which TRL treats as a None reward (the other functions'
 rewards for that sample still count) and is counted in ``reliability/reward_errors``. A reward of +-inf is always an
 error: it would dominate the group's normalisation and silently train on garbage.
@@ -15,15 +20,18 @@ error: it would dominate the group's normalisation and silently train on garbage
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from trl.trainer.utils import get_callable_name, is_async_callable
 
 COMPLETION_PREVIEW_CHARS = 200
+
+logger = logging.getLogger(__name__)
 
 
 class RewardFunctionError(RuntimeError):
@@ -55,6 +63,8 @@ class GuardedRewardFunction:
         self.__name__ = get_callable_name(func)  # TRL names the reward's metrics after it (partials, instances too)
         self.errors: list[str] = []  # messages of this rank since the last check (raise mode, or inf)
         self.skipped = 0  # samples scored NaN in skip mode since the last check
+        self.retries = 0  # batch calls that raised and were scored again sample by sample, since the last check
+        self._warned_retry = False
         # The asynchronous producer scores several groups at once in a thread pool: reports are taken atomically.
         self._report_lock = threading.Lock()
 
@@ -67,7 +77,8 @@ class GuardedRewardFunction:
             rewards = list(self.func(prompts=prompts, completions=completions, **kwargs))
         except RewardScoringUnavailable:
             raise
-        except Exception:  # noqa: BLE001 - located per sample below, then reported on every rank
+        except Exception as batch_error:  # noqa: BLE001 - located per sample below, then reported on every rank
+            self._note_retry(batch_error, len(prompts))
             rewards = self._score_one_by_one(prompts, completions, kwargs)
         for index, reward in enumerate(rewards):
             if reward is not None and isinstance(reward, (int, float)) and math.isinf(reward):
@@ -110,6 +121,21 @@ class GuardedRewardFunction:
                     )
         return rewards
 
+    def _note_retry(self, error: Exception, count: int) -> None:
+        with self._report_lock:
+            self.retries += 1
+            first, self._warned_retry = not self._warned_retry, True
+        if first:
+            logger.warning(
+                "reward function '%s' raised %s: %s on a batch of %d; scoring it again sample by sample (%d more "
+                "calls). Each such retry is counted in reliability/reward_retries; this warning is not repeated.",
+                self.name,
+                type(error).__name__,
+                error,
+                count,
+                count,
+            )
+
     def _record_error(self, message: str) -> None:
         with self._report_lock:
             self.errors.append(message)
@@ -119,6 +145,18 @@ class GuardedRewardFunction:
             errors, skipped = self.errors, self.skipped
             self.errors, self.skipped = [], 0
         return errors, skipped
+
+    def pop_retries(self) -> int:
+        with self._report_lock:
+            retries, self.retries = self.retries, 0
+        return retries
+
+
+class RewardReport(NamedTuple):
+    """What the guarded functions recorded since the last check."""
+
+    skipped: int  # samples scored NaN on this rank (skip mode)
+    retries: int  # batch calls retried sample by sample, summed over every rank
 
 
 def guard_reward_functions(reward_funcs: Any, mode: str) -> Any:
@@ -139,22 +177,25 @@ def guard_reward_functions(reward_funcs: Any, mode: str) -> Any:
     return wrapped[0] if single else wrapped
 
 
-def raise_reward_errors(reward_funcs: Sequence, accelerator) -> int:
+def raise_reward_errors(reward_funcs: Sequence, accelerator) -> RewardReport:
     """Collect the guarded functions' reports on every rank; raise the same error everywhere if any rank failed.
 
-    Returns the number of samples skipped on this rank (skip mode). Call it at the same point on every rank.
+    Returns what was skipped on this rank and retried on every rank. Call it at the same point on every rank.
     """
     errors: list[str] = []
-    skipped = 0
+    skipped = retries = 0
     for func in reward_funcs:
         if isinstance(func, GuardedRewardFunction):
             func_errors, func_skipped = func.pop_report()
             errors.extend(func_errors)
             skipped += func_skipped
-    failed = torch.tensor([float(bool(errors))], device=accelerator.device)
+            retries += func.pop_retries()
+    # One collective for both: the count of failing ranks and the retries, summed.
+    counts = torch.tensor([float(bool(errors)), float(retries)], device=accelerator.device)
     if accelerator.num_processes > 1:
-        failed = accelerator.reduce(failed, reduction="max")
-    if failed.item() > 0:
+        counts = accelerator.reduce(counts, reduction="sum")
+    failed_ranks, retries = counts.tolist()
+    if failed_ranks > 0:
         from accelerate.utils import gather_object
 
         rank_errors = (
@@ -164,4 +205,4 @@ def raise_reward_errors(reward_funcs: Sequence, accelerator) -> int:
         )
         lines = [f"rank {rank}: {message}" for rank, messages in rank_errors for message in messages]
         raise RewardFunctionError(f"{len(lines)} reward error(s):\n" + "\n".join(lines[:10]))
-    return skipped
+    return RewardReport(skipped, int(retries))

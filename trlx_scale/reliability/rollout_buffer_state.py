@@ -13,6 +13,7 @@ import torch
 from accelerate.utils import send_to_device
 from transformers.utils import logging
 
+from ..compat import trl_trainer_state as trl_state
 from .checkpoints import checkpoint_world_size
 
 logger = logging.get_logger(__name__)
@@ -28,7 +29,8 @@ class RolloutBufferCheckpointMixin:
         middle of a rollout's mini-batches (steps_per_generation or num_iterations > 1) would then regenerate early
         and shift every later rollout. Each rank saves both (its buffer is its own)."""
         super()._save_extra_state(checkpoint_dir)
-        state = {"step": self._step, "buffered_inputs": send_to_device(self._buffered_inputs, "cpu")}
+        step, buffered_inputs = trl_state.generation_buffer(self)
+        state = {"step": step, "buffered_inputs": send_to_device(buffered_inputs, "cpu")}
         torch.save(state, os.path.join(checkpoint_dir, ROLLOUT_STATE_NAME.format(self.accelerator.process_index)))
 
     def _load_extra_state(self, checkpoint_dir: str) -> None:
@@ -48,5 +50,6 @@ class RolloutBufferCheckpointMixin:
             logger.warning("%s is missing: the first rollout after resuming is generated afresh.", path)
             return
         state = torch.load(path, map_location="cpu", weights_only=False)  # our own file: tensors and lists
-        self._step = int(state["step"])
-        self._buffered_inputs = send_to_device(state["buffered_inputs"], self.accelerator.device)
+        trl_state.set_generation_buffer(
+            self, int(state["step"]), send_to_device(state["buffered_inputs"], self.accelerator.device)
+        )

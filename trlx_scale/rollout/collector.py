@@ -49,6 +49,7 @@ from accelerate.utils import gather_object
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, nanstd, pad, use_adapter
 
+from ..compat import trl_trainer_state as trl_state
 from ..losses.vllm_importance_sampling import importance_sampling_statistics, vllm_importance_sampling_ratio
 from .batch import RolloutBatch
 from .group_advantages import group_advantages
@@ -178,7 +179,12 @@ class RolloutCollector:
         self._log(mode, prompts, completions, rewards_per_func, scored)
         if ratio is not None:
             log_importance_sampling(
-                trainer, trainer._metrics[mode], old_logps, tensors["sampling_per_token_logps"], ratio, loss_mask
+                trainer,
+                trl_state.metrics(trainer, mode),
+                old_logps,
+                tensors["sampling_per_token_logps"],
+                ratio,
+                loss_mask,
             )
 
         extras = {"num_items_in_batch": num_items_in_batch}
@@ -247,7 +253,7 @@ class RolloutCollector:
     # ---------------------------------------------------------------- stage 3: tensors
     def _padded(self, prompt_ids, completion_ids, sampling_logps, tool_mask, device) -> dict[str, torch.Tensor]:
         trainer = self.trainer
-        pad_id, multiple = trainer._tokenizer.pad_token_id, trainer.pad_to_multiple_of
+        pad_id, multiple = trl_state.tokenizer(trainer).pad_token_id, trainer.pad_to_multiple_of
 
         def padded(rows: list, value, side: str) -> torch.Tensor:
             return pad(rows, padding_value=value, padding_side=side, pad_to_multiple_of=multiple).to(device=device)
@@ -323,7 +329,7 @@ class RolloutCollector:
         signal; the prompts, completions, rewards and advantages; what reward functions logged (``log_extra``,
         ``log_metric``), gathered in sorted key order so that every rank gathers the same thing at the same time."""
         trainer = self.trainer
-        metrics, logs = trainer._metrics[mode], trainer._logs
+        metrics, logs = trl_state.metrics(trainer, mode), trl_state.reward_logs(trainer)
         for index, name in enumerate(trainer.reward_func_names):
             metrics[f"rewards/{name}/mean"].append(torch.nanmean(rewards_per_func[:, index]).item())
             metrics[f"rewards/{name}/std"].append(nanstd(rewards_per_func[:, index]).item())
@@ -339,11 +345,10 @@ class RolloutCollector:
         for index, name in enumerate(trainer.reward_func_names):
             logs["rewards"][name].extend(rewards_per_func[:, index].tolist())
         logs["advantages"].extend(scored.advantages.tolist())
-        pending_extra = trainer._pending_extra_logs
+        pending_extra, pending_metrics = trl_state.pending_logs(trainer)
         for column in sorted(set(gather_object(list(pending_extra)))):
             logs["extra"][column].extend(gather_object(pending_extra.get(column, [None] * len(prompts))))
         pending_extra.clear()
-        pending_metrics = trainer._pending_metrics
         device = trainer.accelerator.device
         for name in sorted(set(gather_object(list(pending_metrics)))):
             values = pending_metrics.get(name, [])

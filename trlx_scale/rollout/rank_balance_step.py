@@ -13,6 +13,7 @@ from typing import Any
 from transformers.utils import logging
 
 from ..auto_switch import resolve_switch
+from ..compat import trl_trainer_state as trl_state
 from ..options import option
 from ..passes.micro_batch_plan import imbalance
 from .rank_balance import (
@@ -58,7 +59,7 @@ class RankBalanceMixin:
         before, after = rank_costs(lengths, placed, coefficient), rank_costs(lengths, assignment, coefficient)
         if max(after) > (1.0 - MIN_GAIN) * max(before):
             assignment, after = placed, before  # TRL's placement is as good: nothing moves, no exchange
-        metrics = self._metrics["train"]
+        metrics = trl_state.metrics(self, "train")
         metrics["batch/rank_imbalance_before_balance"].append(imbalance(before))
         metrics["batch/rank_imbalance_after_balance"].append(imbalance(after))
         if assignment is placed:
