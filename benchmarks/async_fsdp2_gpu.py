@@ -45,13 +45,13 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tests.helpers.policy_loss_reference import clipped_policy_loss  # noqa: E402
+from tests.helpers.simulated_engine import SimulatedEngine, lognormal_duration  # noqa: E402
 from trlx_scale.generation.server_weights import gathered_full_weights  # noqa: E402
 from trlx_scale.generation.weight_sync import is_fsdp2_sharded  # noqa: E402
-from trlx_scale.losses.policy_losses import clipped_policy_loss  # noqa: E402
 from trlx_scale.optim.distributed_precision import fsdp2_mixed_precision_policy  # noqa: E402
 from trlx_scale.optim.presets import get_preset  # noqa: E402
 from trlx_scale.rollout.async_producer import RolloutProducer, group_seed  # noqa: E402
-from trlx_scale.rollout.simulated_engine import SimulatedEngine, lognormal_duration  # noqa: E402
 from trlx_scale.rollout.staleness import StalenessSchedule  # noqa: E402
 
 # Qwen2-0.5B's shape (its config.json), random init: no download.

@@ -54,8 +54,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from tests.helpers.simulated_engine import SimulatedEngine, lognormal_duration  # noqa: E402
 from trlx_scale.rollout.async_producer import RolloutProducer, group_seed  # noqa: E402
-from trlx_scale.rollout.simulated_engine import SimulatedEngine, lognormal_duration  # noqa: E402
 from trlx_scale.rollout.staleness import StalenessSchedule  # noqa: E402
 
 

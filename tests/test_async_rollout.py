@@ -18,8 +18,9 @@ from trlx_scale.rollout.async_producer import (
     group_seed,
 )
 from trlx_scale.rollout.reward_scoring import ConcurrentRewardScorer
-from trlx_scale.rollout.simulated_engine import SimulatedEngine, lognormal_duration
 from trlx_scale.rollout.staleness import StalenessSchedule
+
+from .helpers.simulated_engine import SimulatedEngine, lognormal_duration
 
 
 def test_schedule_by_hand():
@@ -57,15 +58,24 @@ def test_schedule_resumes_where_it_stopped():
 
 
 def test_reward_scorer_awaits_async_and_pools_sync_functions():
-    """Two reward functions that each wait 0.3 s (one a coroutine, one blocking) score four groups at once: run one
-    after the other that is 4 x 2 x 0.3 = 2.4 s; concurrently about 0.3 s."""
+    """Two reward functions (one a coroutine, one blocking) score four groups at once: each function's four calls
+    are in flight together (each waits for the other three, which only calls that overlap can do)."""
+    groups_at_once = 4
+    sandboxes_in_flight = threading.Barrier(groups_at_once, timeout=30)
+    verifiers_in_flight = {"count": 0}
 
     async def remote_verifier(prompts, completions, completion_ids, **kwargs):
-        await asyncio.sleep(0.3)
+        verifiers_in_flight["count"] += 1
+        for _ in range(10_000):  # yields to the loop until all four are in flight (or fails)
+            if verifiers_in_flight["count"] == groups_at_once:
+                break
+            await asyncio.sleep(0.001)
+        else:
+            raise AssertionError("the coroutine reward calls did not overlap")
         return [float(len(text)) for text in completions]
 
     def sandbox(prompts, completions, completion_ids, **kwargs):
-        time.sleep(0.3)
+        sandboxes_in_flight.wait()  # BrokenBarrierError unless four calls run at once
         return [None if text == "skip" else 1.0 for text in completions]
 
     scorer = ConcurrentRewardScorer([remote_verifier, sandbox], max_workers=8)
@@ -74,13 +84,10 @@ def test_reward_scorer_awaits_async_and_pools_sync_functions():
         groups = [["ab", "skip"], ["a", "abc"], ["", "x"], ["xy", "z"]]
         return await asyncio.gather(*(scorer.score(["p"] * 2, g, [[1]] * 2) for g in groups))
 
-    began = time.monotonic()
     results = asyncio.run(score_four())
-    elapsed = time.monotonic() - began
     scorer.close()
     assert results[0][0] == [2.0, 1.0] and results[0][1][0] == 4.0 and results[0][1][1] != results[0][1][1]  # NaN
     assert results[1] == [[1.0, 1.0], [3.0, 1.0]]
-    assert elapsed < 1.2, f"scoring took {elapsed:.2f} s: the reward calls did not overlap"
 
 
 def test_reward_scorer_names_a_function_with_the_wrong_count():
@@ -94,29 +101,38 @@ def test_reward_scorer_names_a_function_with_the_wrong_count():
 
 
 def test_score_now_runs_from_a_synchronous_trainer_concurrently_or_in_turn():
-    """score_now (the synchronous trainers'): concurrently, a coroutine and a blocking function overlap; with
-    sequential=True (reward_scoring="sequential") the blocking one runs on the caller's thread and the coroutine after
-    it, on the scorer's loop; the rewards are the same."""
-    threads = []
+    """score_now (the synchronous trainers'): concurrently, a coroutine and a blocking function overlap (the blocking
+    one waits until the coroutine has started); with sequential=True (reward_scoring="sequential") they run one after
+    the other in their listed order, the blocking one on the caller's thread and the coroutine on the scorer's loop;
+    the rewards are the same."""
+    threads, order = [], []
+    verifier_started = threading.Event()
+    mode = {"sequential": False}
 
     async def remote_verifier(prompts, completions, completion_ids, **kwargs):
-        await asyncio.sleep(0.3)
+        order.append("verifier")
+        verifier_started.set()
         return [float(len(text)) for text in completions]
 
     def sandbox(prompts, completions, completion_ids, **kwargs):
         threads.append(threading.current_thread())
-        time.sleep(0.3)
+        order.append("sandbox starts")
+        if not mode["sequential"]:
+            assert verifier_started.wait(30), "the blocking reward did not overlap the coroutine"
+        order.append("sandbox")
         return [1.0 for _ in completions]
 
     results = {}
     for sequential in (False, True):
+        mode["sequential"] = sequential
+        verifier_started.clear()
+        order.clear()
         scorer = ConcurrentRewardScorer([remote_verifier, sandbox], max_workers=2, sequential=sequential)
-        began = time.monotonic()
         results[sequential] = scorer.score_now(["p"] * 2, ["ab", "c"], [[1], [2]], trainer_state=None)
-        results[(sequential, "seconds")] = time.monotonic() - began
         scorer.close()
+        if sequential:
+            assert order == ["verifier", "sandbox starts", "sandbox"]
     assert results[False] == results[True] == [[2.0, 1.0], [1.0, 1.0]]
-    assert results[(False, "seconds")] < 0.55 <= results[(True, "seconds")]
     assert threads[0] is not threading.main_thread() and threads[1] is threading.main_thread()
 
 

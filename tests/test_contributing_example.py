@@ -1,10 +1,14 @@
-"""docs/contributing.md's worked example (RLOO through the `_finish_rollout` seam), run from the doc itself, so the
-doc and the code cannot drift apart; and the trainer it builds has every trlx_scale feature."""
+"""docs/contributing.md's worked example (RLOO as one folder: a pure function, a config, a trainer of one override),
+written from the doc itself into a package and imported, so the doc and the code cannot drift apart; and the trainer
+it builds has every trlx_scale feature."""
 
+import dataclasses
+import importlib
 import json
 import math
 import os
 import re
+import sys
 
 import torch
 
@@ -13,15 +17,28 @@ from trlx_scale.rollout import RolloutBatch
 from .helpers.launch import REPO_ROOT
 from .helpers.trainers import small_grpo_config
 
+RLOO_FILES = ("advantages.py", "config.py", "trainer.py")
 
-def _rloo_trainer_class():
+
+def _rloo_package(tmp_path):
+    """The guide's three blocks, each written to the file it names, as the package ``rloo`` (imported afresh)."""
     with open(os.path.join(REPO_ROOT, "docs", "contributing.md")) as handle:
         text = handle.read()
     section = text[text.index("## Worked example: RLOO") :]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    namespace: dict = {}
-    exec(compile(code, "docs/contributing.md", "exec"), namespace)
-    return namespace["RLOOTrainer"]
+    blocks = re.findall(r"`trlx_scale/rloo/(\w+\.py)`[^`]*?```python\n(.*?)```", section, re.S)
+    assert tuple(name for name, _ in blocks) == RLOO_FILES
+    package = tmp_path / "plugin" / "rloo"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    for name, code in blocks:
+        (package / name).write_text(code)
+    sys.path.insert(0, str(package.parent))
+    try:
+        for name in [m for m in sys.modules if m == "rloo" or m.startswith("rloo.")]:
+            del sys.modules[name]
+        return {name[:-3]: importlib.import_module(f"rloo.{name[:-3]}") for name in RLOO_FILES}
+    finally:
+        sys.path.remove(str(package.parent))
 
 
 def _batch(rewards: torch.Tensor) -> RolloutBatch:
@@ -42,9 +59,21 @@ def test_rloo_from_the_contributing_guide_scores_leave_one_out_trains_and_has_ev
 ):
     from trlx_scale.tasks import addition_dataset, exact_match_reward
 
-    rloo = _rloo_trainer_class()
+    rloo = _rloo_package(tmp_path)
+    # The pure function, by hand: one group of 4 with rewards (1, 0, 0, 1): A_i = r_i - mean of the other three,
+    # = (1 - 1/3, 0 - 2/3, 0 - 2/3, 1 - 1/3); whitened, the two values keep their signs and the batch's mean is 0.
+    leave_one_out = rloo["advantages"].leave_one_out_advantages
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    assert torch.allclose(leave_one_out(rewards, 4), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    whitened = leave_one_out(rewards, 4, normalize=True)
+    assert abs(float(whitened.mean())) < 1e-6 and (whitened > 0).tolist() == [True, False, False, True]
+
+    config_cls = rloo["config"].RLOOConfig
+    field = next(f for f in dataclasses.fields(config_cls) if f.name == "normalize_advantages")
+    assert field.default is False and "help" in field.metadata
     args = small_grpo_config(
         tmp_path,
+        config_cls,
         use_vllm=True,
         vllm_dtype="trainer",
         max_steps=2,
@@ -53,14 +82,12 @@ def test_rloo_from_the_contributing_guide_scores_leave_one_out_trains_and_has_ev
         hub_model_id="tester/rloo-run",
         hub_push_backoff_s=0.01,
     )
-    trainer = rloo(
+    trainer = rloo["trainer"].RLOOTrainer(
         model=default_model_dir,
         reward_funcs=exact_match_reward,
         args=args,
         train_dataset=addition_dataset("train", size=32),
     )
-    # By hand, one group of 4 with rewards (1, 0, 0, 1): A_i = r_i - mean of the other three,
-    # = (1 - 1/3, 0 - 2/3, 0 - 2/3, 1 - 1/3).
     trainer.model.train()
     scored = trainer._finish_rollout(_batch(torch.tensor([[1.0], [0.0], [0.0], [1.0]])))
     assert torch.allclose(scored.advantages, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from trlx_scale.losses.policy_losses import clipped_policy_loss
 from trlx_scale.losses.vllm_importance_sampling import behaviour_kl
 
 from .helpers.decoupled_objective import behaviour_weights, decoupled_policy_loss
+from .helpers.policy_loss_reference import clipped_policy_loss
 
 
 def test_same_policies_give_the_plain_clipped_surrogate():

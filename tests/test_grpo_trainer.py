@@ -78,6 +78,7 @@ def test_reward_functions_run_concurrently_with_trls_arguments(default_model_dir
 
     meeting = threading.Barrier(2, timeout=30)
     seen = []
+    before = set(threading.enumerate())
 
     def meets(name):
         def reward(prompts, completions, completion_ids, answer, trainer_state, log_metric, log_extra, **kwargs):
@@ -100,11 +101,12 @@ def test_reward_functions_run_concurrently_with_trls_arguments(default_model_dir
     assert sorted(seen) == [("first", True, True), ("second", True, True)]
     assert _logged(trainer, "first/calls") == [1.0] and _logged(trainer, "second/calls") == [1.0]
     assert len(_logged(trainer, "rewards/first/mean")) == 1
-    # The scorer's threads end with the run, and a later run starts them again.
-    for thread in threading.enumerate():
-        if thread.name.startswith("trlx-scale-reward"):
-            thread.join(timeout=10)
-    assert not [thread.name for thread in threading.enumerate() if thread.name.startswith("trlx-scale-reward")]
+    # The scorer's threads end with the run, and a later run starts them again. (Only this trainer's threads count:
+    # a scorer another test left open is not this test's business.)
+    started = [t for t in threading.enumerate() if t.name.startswith("trlx-scale-reward") and t not in before]
+    for thread in started:
+        thread.join(timeout=10)
+    assert not [thread.name for thread in started if thread.is_alive()]
     trainer.train()
     assert len(seen) == 4
     in_turn = GRPOTrainer(

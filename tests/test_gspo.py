@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from trlx_scale import GRPOConfig, GRPOTrainer
-from trlx_scale.losses import clipped_policy_loss
 from trlx_scale.tasks import addition_dataset, exact_match_reward
 
+from .helpers.policy_loss_reference import clipped_policy_loss
 from .helpers.trainers import small_grpo_config
 
 

@@ -22,7 +22,7 @@ exp(mean_t(log pi_prox - log pi_behave)): the same length normalisation as GSPO'
 does not explode as the product of its token weights would.
 
 With an unchanged policy and an exact engine (pi_prox == pi_behave) every weight is 1 and the loss is the plain
-clipped surrogate (``policy_losses.clipped_policy_loss``). Shapes as in ``policy_losses``: (B, T) log-probs and
+clipped surrogate (``policy_loss_reference.clipped_policy_loss``). Shapes as in ``policy_losses``: (B, T) log-probs and
 mask, (B,) advantages.
 """
 
@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from trlx_scale.losses.policy_losses import clipped_policy_loss
 from trlx_scale.losses.vllm_importance_sampling import behaviour_kl
+
+from .policy_loss_reference import clipped_policy_loss
 
 WEIGHT_LEVELS = ("token", "sequence")
 WEIGHT_MODES = ("truncate", "mask")

@@ -6,8 +6,8 @@
   runs unchanged) and gym-style environments (``reset`` / ``step`` returning messages, reward, done).
 - ``trajectory_tokens``: a trajectory's tokens as sampled, observations rendered alone and masked out of the loss,
   the template's rendering checked each turn, and the budgets of the next turn.
-- ``multi_turn_rollout``: trajectories run each at its own pace (no lockstep) against a ``TurnSampler``;
-  ``server_turn_sampler`` is the one on vLLM servers (token ids in, sampled ids and log-probs out).
+- ``multi_turn_rollout``: trajectories run each at its own pace (no lockstep) against a ``TurnSampler`` (token
+  ids in, sampled ids and log-probs out; ``colocated_turn_sampler`` in the training processes).
 
 - ``tool_call_continuation``: GRPOTrainer's turns after TRL's first, each trajectory at its own pace (wired by
   ``agents/colocated_tool_loop.py``; ``agent_fields``: its config fields);

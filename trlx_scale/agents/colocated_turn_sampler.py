@@ -17,8 +17,8 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
+from ..generation.rollout_seeds import turn_seed
 from .multi_turn_rollout import SampledTurn
-from .server_turn_sampler import turn_seed
 
 
 class ColocatedTurnSampler:

@@ -39,9 +39,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+from ..generation.rollout_seeds import turn_seed
 from ..rollout.async_producer import GroupRequest, SampledGroup
 from .multi_turn_rollout import SampledTurn
-from .server_turn_sampler import turn_seed
 from .tool_call_continuation import ContinuationLimits, TrajectoryState, continue_trajectories
 from .tool_runner import ToolRunner, ToolStats
 

@@ -33,3 +33,9 @@ def request_seed(context: RolloutSeedContext, prompt_token_ids: Sequence[int], g
     digest.update(f"{context.seed}|{context.step}|{context.mode}|{global_row}|".encode())
     digest.update(",".join(map(str, prompt_token_ids)).encode())
     return int.from_bytes(digest.digest(), "big") >> 1
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """A 63-bit request seed for turn ``turn`` of the trajectory seeded ``seed``."""
+    digest = hashlib.blake2b(f"{seed}|turn|{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1

@@ -5,9 +5,9 @@ What runs where (said plainly, because TRL computes the policy loss inline with 
 - ``log_importance_weights`` (policy_losses.py): token / sequence (GSPO) / sequence_token (GSPO-token) log weights.
   The trainers call it: GRPOTrainer's ``_postprocess_loss_logps`` seam turns the loss pass's log-probs into
   GSPO-token's weights before TRL's token branch uses them.
-- ``clipped_policy_loss`` (policy_losses.py): the clipped surrogate that TRL's ``_compute_loss`` computes for GRPO
-  and PPO. The trainers do not call it; it is the *reference implementation* TRL's loss is checked against, for all
-  three ratio levels (tests/test_gspo.py), so a TRL change to that loss fails a test here.
+- the clipped surrogate that TRL's ``_compute_loss`` computes for GRPO and PPO is not restated here (the trainers
+  use TRL's); ``tests/helpers/policy_loss_reference.py`` holds the reference TRL's loss is checked against, for all
+  three ratio levels (tests/test_gspo.py), so a TRL change to that loss fails a test.
 - ``clipped_value_loss`` (value_loss.py): PPO's value objective; PPOTrainer's ``_compute_loss`` adds it to TRL's
   policy loss.
 - ``vllm_importance_sampling.py``: the importance weights of the off-policy correction (pi_old / pi_sampling,
@@ -22,7 +22,7 @@ through one hook: ``_postprocess_loss_logps`` for a new ratio, an overridden ``_
 (docs/contributing.md walks through both).
 """
 
-from .policy_losses import LEVELS, clipped_policy_loss, log_importance_weights
+from .policy_losses import LEVELS, log_importance_weights
 from .value_loss import clipped_value_loss
 
-__all__ = ["LEVELS", "clipped_policy_loss", "clipped_value_loss", "log_importance_weights"]
+__all__ = ["LEVELS", "clipped_value_loss", "log_importance_weights"]

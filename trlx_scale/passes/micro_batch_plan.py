@@ -49,10 +49,6 @@ class MicroBatchPlan:
     oversize: list[int] = field(default_factory=list)
 
     @property
-    def num_micro_batches(self) -> int:
-        return len(self.micro_batches[0]) if self.micro_batches else 0
-
-    @property
     def rank_imbalance(self) -> float:
         """Max over mean of the ranks' costs (1.0: perfectly balanced)."""
         return imbalance(self.rank_costs)

@@ -53,11 +53,3 @@ class RunHistory:
     def first_present(self, keys: tuple[str, ...]) -> str | None:
         """The first of ``keys`` that the run logged."""
         return next((k for k in keys if any(k in e for e in self.entries)), None)
-
-    def keys_with_prefix(self, prefix: str) -> list[str]:
-        seen: dict[str, None] = {}
-        for entry in self.entries:
-            for key in entry:
-                if key.startswith(prefix):
-                    seen[key] = None
-        return list(seen)

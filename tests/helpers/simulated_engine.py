@@ -1,4 +1,4 @@
-"""A simulated generation engine: log-normal completion times on a fixed number of slots, no model.
+"""A test and benchmark helper: a simulated generation engine: log-normal completion times on a fixed number of slots, no model.
 
 It answers the question asynchronous GRPO is about before a GPU is spent on it: with completions this uneven, how
 close does an overlapped run come to ``max(generation, training)`` per step, and how much does ``max_staleness``
@@ -18,7 +18,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from .async_producer import GroupRequest, SampledGroup
+from trlx_scale.rollout.async_producer import GroupRequest, SampledGroup
 
 
 def lognormal_duration(seed: int, mean: float, sigma: float) -> float:

@@ -1,4 +1,6 @@
-"""A ``TurnSampler`` on vLLM servers: each turn continues the trajectory's held token ids (token-in) and returns the
+"""A test helper: a ``TurnSampler`` on vLLM servers (the trainers sample on servers through
+``trlx_scale.agents.server_tool_sampler`` and ``server_gym_sampler``; this bare one checks the token-in/token-out
+contract of ``run_trajectories`` against a real server): each turn continues the trajectory's held token ids (token-in) and returns the
 sampled ids with their log-probs (token-out), through ``/v1/completions`` with a token-id prompt.
 
 Turns of one trajectory go to one replica (chosen by the trajectory's seed), so the server's prefix cache holds its
@@ -10,19 +12,13 @@ ready, so no trajectory waits for another's tools.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
-from .multi_turn_rollout import SampledTurn
-
-
-def turn_seed(seed: int, turn: int) -> int:
-    """A 63-bit request seed for turn ``turn`` of the trajectory seeded ``seed``."""
-    digest = hashlib.blake2b(f"{seed}|turn|{turn}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
+from trlx_scale.agents.multi_turn_rollout import SampledTurn
+from trlx_scale.generation.rollout_seeds import turn_seed
 
 
 class ServerTurnSampler:
