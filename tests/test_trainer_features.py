@@ -13,6 +13,12 @@ from trlx_scale.options import option, registered_options
 from .helpers.trainers import small_dpo_config, small_grpo_config
 
 TRAINERS = (GRPOTrainer, PPOTrainer, DPOTrainer)
+# What each trainer's checkpoints hold beside transformers' own, in the order the parts are saved and loaded.
+EXPECTED_CHECKPOINT_PARTS = {
+    GRPOTrainer: ["policy_version", "rollout_buffer"],
+    PPOTrainer: ["policy_version", "rollout_buffer", "ppo_critic_and_kl"],
+    DPOTrainer: ["policy_version", "dpo_token_count"],
+}
 
 
 def _one_step_trainer(trainer_cls, model_dir, tmp_path):
@@ -39,6 +45,7 @@ def test_every_trainer_profiles_guards_and_versions_its_step(trainer_cls, defaul
     counted it, and the policy version moved by the one optimizer step."""
     trainer = _one_step_trainer(trainer_cls, default_model_dir, tmp_path)
     assert trainer.features_ready and trainer.policy_version == 0
+    assert trainer.checkpoint_parts.names() == EXPECTED_CHECKPOINT_PARTS[trainer_cls]
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert logs and logs[0]["time/loss_forward_backward"] > 0

@@ -16,7 +16,8 @@ each reason is given):
    guard decided), saved in each checkpoint. Before ``AtomicCheckpointMixin``: its state joins the checkpoint
    before the completion marker is written.
 4. ``AtomicCheckpointMixin`` (reliability/): completion markers with checksums, verified resume, disk-space checks,
-   preemption, asynchronous sharded saves; the base of the ``_save_extra_state``/``_load_extra_state`` chain.
+   preemption, asynchronous sharded saves; it saves every part of ``checkpoint_parts`` (the named checkpoint
+   state the components register: ``reliability.checkpoint_parts``) before the completion marker.
 5. ``HubPushMixin`` (hub/): Hub pushes without secrets, with retries; after the checkpoint feature, whose
    ``_on_checkpoint_complete`` seam starts a checkpoint's push.
 6. ``PlannedMemoryMixin`` (planning/): the planner's verdict and the held memory per role in the logs.
@@ -45,6 +46,7 @@ from .hub.push import HubPushMixin
 from .optim.master_weights_mixin import MasterWeightsMixin
 from .planning.trainer_memory import PlannedMemoryMixin
 from .profiling.trainer_profiling import PhaseProfilerMixin
+from .reliability.checkpoint_parts import CheckpointParts
 from .reliability.checkpoints import AtomicCheckpointMixin
 from .reliability.nonfinite_guard import NonFiniteGuardMixin
 from .rollout.policy_version import PolicyVersionMixin
@@ -65,6 +67,8 @@ class TrainerFeatures(*FEATURES):
 
     def __init__(self, *args, **kwargs):
         model = kwargs.get("model", args[0] if args else None)
+        # The named checkpoint state every component registers its part in (reliability.checkpoint_parts).
+        self.checkpoint_parts = CheckpointParts()
         self._setup_profiler_before_trl(kwargs.get("args"))
         self._setup_planner_before_trl(model)
         super().__init__(*args, **kwargs)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
+from typing import Any
 
 from ..reliability.rank_agreement import failing_together
 from ..rollout.async_producer import RolloutProducer
@@ -18,26 +20,36 @@ from ..rollout.rollout_window import WINDOW_STATE_NAME, load_window, save_window
 logger = logging.getLogger(__name__)
 
 
-class AsyncCheckpointWindowMixin:
-    """Part of ``AsyncGRPOTrainer``: the rollout window saved with each checkpoint and continued on resume."""
+class RolloutWindowCheckpoint:
+    """``AsyncGRPOTrainer``'s checkpoint part (``reliability.checkpoint_parts``): the rollout window saved with each
+    checkpoint, and continued on resume when the engine starts (``continued_window``)."""
 
-    def _window_settings(self, groups: int, next_index: int, oldest_version: int) -> dict[str, int]:
+    def __init__(self, trainer: Any):
+        self._trainer = weakref.ref(trainer)  # the trainer holds this part: no cycle
+        self._resume_window: tuple[dict[str, int], list] | None = None  # read from a checkpoint on resume
+
+    @property
+    def trainer(self) -> Any:
+        return self._trainer()
+
+    def window_settings(self, groups: int, next_index: int, oldest_version: int) -> dict[str, int]:
         """What decides the schedule and the samples: a saved window continues a run only if they are the same."""
+        trainer = self.trainer
         settings = {
-            "seed": self.args.seed,
-            "world_size": self.accelerator.num_processes,
-            "num_generations": self.num_generations,
+            "seed": trainer.args.seed,
+            "world_size": trainer.accelerator.num_processes,
+            "num_generations": trainer.num_generations,
             "groups_per_version": groups,
-            "max_staleness": self.args.max_staleness,
-            "weight_sync_steps": self.args.weight_sync_steps,
+            "max_staleness": trainer.args.max_staleness,
+            "weight_sync_steps": trainer.args.weight_sync_steps,
             "next_index": next_index,
             "oldest_version": oldest_version,
         }
-        if self.args.optimizer_steps_per_rollout != 1:  # absent: 1, as in windows saved before it could be more
-            settings["optimizer_steps_per_rollout"] = self.args.optimizer_steps_per_rollout
+        if trainer.args.optimizer_steps_per_rollout != 1:  # absent: 1, as in windows saved before it could be more
+            settings["optimizer_steps_per_rollout"] = trainer.args.optimizer_steps_per_rollout
         return settings
 
-    def _continued_window(self, groups: int, start_index: int) -> tuple[int, list]:
+    def continued_window(self, groups: int, start_index: int) -> tuple[int, list]:
         """The oldest version and the groups queued first: a resumed run continues its checkpoint's window (the
         interrupted run's schedule, bit for bit); without one (a fresh run, a checkpoint saved with
         save_only_model, changed settings) the servers start from the checkpoint's weights alone."""
@@ -46,7 +58,7 @@ class AsyncCheckpointWindowMixin:
             return start, []
         saved, window = self._resume_window
         self._resume_window = None
-        why = window_mismatch(saved, self._window_settings(groups, start_index, saved["oldest_version"]))
+        why = window_mismatch(saved, self.window_settings(groups, start_index, saved["oldest_version"]))
         if why is not None:
             logger.warning(
                 "The checkpoint's rollout window does not fit this run (%s): the groups the interrupted run had "
@@ -56,20 +68,20 @@ class AsyncCheckpointWindowMixin:
             return start, []
         return int(saved["oldest_version"]), window
 
-    def _save_extra_state(self, checkpoint_dir: str) -> None:
+    def save(self, checkpoint_dir: str) -> None:
         """Each rank saves its staleness window: the groups sampled (or admitted) by versions older than the
         checkpoint's weights, waited for first (``rollout.rollout_window``)."""
-        super()._save_extra_state(checkpoint_dir)
-        engine = self.vllm_generation
+        trainer = self.trainer
+        engine = trainer.vllm_generation
         if engine is None:  # no rollout yet: nothing was sampled
             return
         # The window is the one the checkpoint's version admits once it is served; a preemption waits for the update
         # at most what is left of its grace period (one still landing then: its groups are sampled again on resume).
-        since = self._seconds_since_preemption()
-        engine.finish_delivery(None if since is None else max(0.0, self.args.preemption_grace_period - since))
+        since = trainer._seconds_since_preemption()
+        engine.finish_delivery(None if since is None else max(0.0, trainer.args.preemption_grace_period - since))
         groups, oldest = self._checkpoint_window(engine.producer)
-        settings = self._window_settings(self._schedule.groups_per_version, engine.producer.next_index, oldest)
-        path = os.path.join(checkpoint_dir, WINDOW_STATE_NAME.format(self.accelerator.process_index))
+        settings = self.window_settings(trainer._schedule.groups_per_version, engine.producer.next_index, oldest)
+        path = os.path.join(checkpoint_dir, WINDOW_STATE_NAME.format(trainer.accelerator.process_index))
         save_window(path, groups, settings)
 
     def _checkpoint_window(self, producer: RolloutProducer) -> tuple[list, int]:
@@ -78,32 +90,35 @@ class AsyncCheckpointWindowMixin:
         ``preemption_grace_period``; if any rank's window is still incomplete then, every rank saves none (their
         schedules must agree): the resumed run samples those groups again, seeded as before, from the checkpoint's
         weights, and the requests in flight are cancelled when training stops."""
-        since = self._seconds_since_preemption()
+        trainer = self.trainer
+        since = trainer._seconds_since_preemption()
         what = "waiting for the rollout window of the checkpoint"
         if since is None:
-            with failing_together(self.accelerator, what):
-                return producer.admitted_groups(timeout=self.args.request_timeout), self._schedule.oldest_version
-        grace = max(0.0, self.args.preemption_grace_period - since)
-        with failing_together(self.accelerator, what):
+            with failing_together(trainer.accelerator, what):
+                return producer.admitted_groups(timeout=trainer.args.request_timeout), trainer._schedule.oldest_version
+        grace = max(0.0, trainer.args.preemption_grace_period - since)
+        with failing_together(trainer.accelerator, what):
             groups = producer.admitted_groups(timeout=grace, partial=True)
             missing = producer.admitted_count() - len(groups)
-        if not self._any_rank(missing > 0):
-            return groups, self._schedule.oldest_version
+        if not trainer._any_rank(missing > 0):
+            return groups, trainer._schedule.oldest_version
         logger.warning(
             "Preempted: %d of this rank's groups were still in flight after the %.0f s grace period "
             "(preemption_grace_period); they are cancelled, and the resumed run samples them again from the "
             "checkpoint's weights.",
             missing,
-            self.args.preemption_grace_period,
+            trainer.args.preemption_grace_period,
         )
-        return [], -(-self.state.global_step // self.args.optimizer_steps_per_rollout)  # the next rollout's weights
+        return [], -(
+            -trainer.state.global_step // trainer.args.optimizer_steps_per_rollout
+        )  # the next rollout's weights
 
-    def _load_extra_state(self, checkpoint_dir: str) -> None:
-        super()._load_extra_state(checkpoint_dir)
-        path = os.path.join(checkpoint_dir, WINDOW_STATE_NAME.format(self.accelerator.process_index))
+    def load(self, checkpoint_dir: str) -> None:
+        trainer = self.trainer
+        path = os.path.join(checkpoint_dir, WINDOW_STATE_NAME.format(trainer.accelerator.process_index))
         if os.path.isfile(path):
             self._resume_window = load_window(path)
-        elif self.args.max_staleness > 0:
+        elif trainer.args.max_staleness > 0:
             logger.warning(
                 "%s is missing: the groups the interrupted run had sampled from older versions are sampled again "
                 "from the checkpoint's weights (inside the bound, not bit for bit the interrupted run).",

@@ -68,7 +68,7 @@ class AsyncServerEngineMixin:
         )
         groups = self._prompt_stream.groups_per_rollout
         start = self._current_rollout()  # built at a rollout's start (or an evaluation between two)
-        oldest, ready = self._continued_window(groups, start * groups)
+        oldest, ready = self.rollout_window.continued_window(groups, start * groups)
         self._schedule = StalenessSchedule(
             groups_per_version=groups,
             max_staleness=args.max_staleness,

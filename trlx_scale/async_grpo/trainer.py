@@ -29,7 +29,7 @@ ZeRO-3). What changes is where completions come from; a rollout, in numbered ste
 
 The trainer's parts: the servers it starts and what they get (``async_server_launch``), the engine built at the
 first rollout (``async_server_engine``), what the producer calls back for (``async_producer_feed``: prompts, seeds,
-rewards), the window a checkpoint carries (``async_checkpoint_window``), the behaviour metrics
+rewards), the window a checkpoint carries (``checkpoint_window``, a checkpoint part), the behaviour metrics
 (``async_behaviour_metrics``), tools (``async_tool_loop``) and ``GymRollout`` episodes (``async_gym_rollout``); this
 file hands TRL the producer's completions and rewards.
 
@@ -61,7 +61,7 @@ from ..rollout.reward_logs import REWARD_LOG_KEY, replay_reward_logs
 from ..rollout.reward_processes import send_reward_functions_to_processes
 from ..rollout.staleness import StalenessSchedule
 from .behaviour_metrics import AsyncBehaviourMetricsMixin
-from .checkpoint_window import AsyncCheckpointWindowMixin
+from .checkpoint_window import RolloutWindowCheckpoint
 from .config import AsyncGRPOConfig
 from .gym_rollout import AsyncGymRolloutMixin
 from .producer_feed import AsyncProducerFeedMixin
@@ -87,7 +87,6 @@ class AsyncGRPOTrainer(
     AsyncToolLoopMixin,
     AsyncServerLaunchMixin,
     AsyncProducerFeedMixin,
-    AsyncCheckpointWindowMixin,
     AsyncBehaviourMetricsMixin,
     GRPOTrainer,
 ):
@@ -180,7 +179,8 @@ class AsyncGRPOTrainer(
         self._prompt_lock = threading.Lock()
         self._next_prefetch = 0
         self._schedule: StalenessSchedule | None = None
-        self._resume_window: tuple[dict[str, int], list] | None = None  # read from a checkpoint on resume
+        self.rollout_window = RolloutWindowCheckpoint(self)  # saved with each checkpoint, continued on resume
+        self.checkpoint_parts.register("rollout_window", self.rollout_window)
         self._rollout_policy_versions = RolloutPolicyVersions()
         self._inside_train = False  # evaluate() outside train() closes what it started
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from datasets import Dataset, IterableDataset
@@ -152,6 +153,7 @@ class DPOTrainer(OnlineDPOMixin, DPOEngineMixin, PaddingFreeMixin, TrainerFeatur
             quantization_config=quantization_config,
             peft_config=peft_config,
         )
+        self.checkpoint_parts.register("dpo_token_count", DPOTokenCountPart(self))
         if isinstance(padding_free, str):
             self.args.padding_free = padding_free  # our copy (see above): trlx_scale's setting from here on
         if self._online and self.accelerator.num_processes > 1:
@@ -219,21 +221,27 @@ class DPOTrainer(OnlineDPOMixin, DPOEngineMixin, PaddingFreeMixin, TrainerFeatur
             )
         )
 
-    def _save_extra_state(self, checkpoint_dir: str) -> None:
-        # TRL counts the trained tokens (the logged num_tokens) in an attribute no checkpoint holds.
-        super()._save_extra_state(checkpoint_dir)
-        if self.args.should_save:
+
+DPO_STATE_NAME = "dpo_state.json"
+
+
+class DPOTokenCountPart:
+    """``DPOTrainer``'s checkpoint part (``reliability.checkpoint_parts``): TRL counts the trained tokens (the logged
+    ``num_tokens``) in an attribute no checkpoint holds."""
+
+    def __init__(self, trainer: Any):
+        self._trainer = weakref.ref(trainer)
+
+    def save(self, checkpoint_dir: str) -> None:
+        trainer = self._trainer()
+        if trainer.args.should_save:
             write_text_atomically(
                 os.path.join(checkpoint_dir, DPO_STATE_NAME),
-                json.dumps({"total_train_tokens": trl_state.total_train_tokens(self)}),
+                json.dumps({"total_train_tokens": trl_state.total_train_tokens(trainer)}),
             )
 
-    def _load_extra_state(self, checkpoint_dir: str) -> None:
-        super()._load_extra_state(checkpoint_dir)
+    def load(self, checkpoint_dir: str) -> None:
         path = os.path.join(checkpoint_dir, DPO_STATE_NAME)
         if os.path.isfile(path):
             with open(path) as handle:
-                trl_state.set_total_train_tokens(self, json.load(handle)["total_train_tokens"])
-
-
-DPO_STATE_NAME = "dpo_state.json"
+                trl_state.set_total_train_tokens(self._trainer(), json.load(handle)["total_train_tokens"])

@@ -15,7 +15,7 @@ Where each part lives (mixins placed before TRL's class in the bases):
   trajectory at its own pace (``tool_scheduling``); ``GymRolloutMixin``: gym-style episodes (``GymRollout``);
 - ``LogProbPassesMixin``: the log-prob passes; ``LossPassCorrectionMixin``: vLLM's correction from the loss pass and
   GSPO-token's weights;
-- ``RolloutBufferCheckpointMixin``: a checkpoint inside a rollout's mini-batches resumes inside it;
+- ``RolloutBufferPart`` (a checkpoint part): a checkpoint inside a rollout's mini-batches resumes inside it;
 - ``RankBalanceMixin``, ``PaddingFreeMixin``: samples dealt to ranks by cost, packed rows;
 - ``TrainerFeatures`` (``trainer_features.py``): the cross-cutting features (profiler, non-finite guard, policy
   version, atomic checkpoints, Hub push, planned memory, fp32 masters).
@@ -48,7 +48,7 @@ from ..options import option
 from ..passes.padding_free_choice import PaddingFreeMixin
 from ..reliability.input_checks import GRPO_COLUMNS, check_dataset_columns, check_launch_matches, check_train_dataset
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
-from ..reliability.rollout_buffer_state import RolloutBufferCheckpointMixin
+from ..reliability.rollout_buffer_state import RolloutBufferPart
 from ..rollout.batch import RolloutBatch
 from ..rollout.collector import RolloutCollector, RolloutSamples
 from ..rollout.rank_balance_step import RankBalanceMixin
@@ -79,7 +79,6 @@ class GRPOTrainer(
     LogProbPassesMixin,
     LossPassCorrectionMixin,
     ColocatedEngineMixin,
-    RolloutBufferCheckpointMixin,
     RankBalanceMixin,
     PaddingFreeMixin,
     TrainerFeatures,
@@ -156,6 +155,7 @@ class GRPOTrainer(
             environment_factory=environment_factory,
         )
         # TRL's reward functions, environments' get_reward included, as built by its constructor.
+        self.checkpoint_parts.register("rollout_buffer", RolloutBufferPart(self))
         self._rollout_scorer = rollout_reward_scorer(self.reward_funcs, option(self.args, "reward_scoring"))
         # GSPO-token runs through TRL's "token" branch: its weights come from the loss pass's log-probs, shifted in
         # _postprocess_loss_logps (TRL reads this attribute only in _compute_loss; pinned by a contract test).

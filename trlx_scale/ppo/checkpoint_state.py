@@ -6,6 +6,8 @@ a PPO run.
 from __future__ import annotations
 
 import os
+import weakref
+from typing import Any
 
 import torch
 
@@ -14,22 +16,25 @@ from .critic import critic_state, load_critic_state
 PPO_STATE_NAME = "ppo_state.pt"
 
 
-class PPOCheckpointStateMixin:
-    """Part of ``PPOTrainer``: saves and restores the critic and the KL coefficient with each checkpoint."""
+class PPOStatePart:
+    """``PPOTrainer``'s checkpoint part (``reliability.checkpoint_parts``): the critic and the KL coefficient."""
 
-    def _save_extra_state(self, checkpoint_dir: str) -> None:
-        super()._save_extra_state(checkpoint_dir)
+    def __init__(self, trainer: Any):
+        self._trainer = weakref.ref(trainer)
+
+    def save(self, checkpoint_dir: str) -> None:
+        trainer = self._trainer()
         # Every rank takes part (ZeRO-3 gathers; a DeepSpeed critic writes its own partitions); rank 0 writes the file.
-        if self.critic_training is not None:
-            state = self.critic_training.save(checkpoint_dir, self.args.should_save)
+        if trainer.critic_training is not None:
+            state = trainer.critic_training.save(checkpoint_dir, trainer.args.should_save)
         else:  # the shared-base critic's optimizer state is in the policy's optimizer, saved by transformers
-            state = {"critic": critic_state(self.critic)}
-        if self.args.should_save:
-            state["kl_coef"] = self.kl_controller.value
+            state = {"critic": critic_state(trainer.critic)}
+        if trainer.args.should_save:
+            state["kl_coef"] = trainer.kl_controller.value
             torch.save(state, os.path.join(checkpoint_dir, PPO_STATE_NAME))
 
-    def _load_extra_state(self, checkpoint_dir: str) -> None:
-        super()._load_extra_state(checkpoint_dir)
+    def load(self, checkpoint_dir: str) -> None:
+        trainer = self._trainer()
         path = os.path.join(checkpoint_dir, PPO_STATE_NAME)
         if not os.path.isfile(path):
             raise ValueError(
@@ -37,8 +42,8 @@ class PPOCheckpointStateMixin:
                 "not written by trlx_scale's PPOTrainer, whose runs cannot resume without their critic."
             )
         state = torch.load(path, map_location="cpu", weights_only=True)
-        if self.critic_training is not None:
-            self.critic_training.load(checkpoint_dir, state)
+        if trainer.critic_training is not None:
+            trainer.critic_training.load(checkpoint_dir, state)
         else:
-            load_critic_state(self.critic, state["critic"])
-        self.kl_controller.value = float(state["kl_coef"])
+            load_critic_state(trainer.critic, state["critic"])
+        trainer.kl_controller.value = float(state["kl_coef"])

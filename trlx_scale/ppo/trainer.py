@@ -51,7 +51,7 @@ from ..grpo.trainer import GRPOTrainer
 from ..losses.value_loss import clipped_value_loss
 from ..optim.master_weights import FP32MasterAdamW
 from ..rollout.batch import RolloutBatch
-from .checkpoint_state import PPOCheckpointStateMixin
+from .checkpoint_state import PPOStatePart
 from .config import PPOConfig
 from .critic import VALUE_HEAD_MODULE, SeparateCritic, SharedBaseCritic
 from .critic_training import CriticBackend, DistributedCritic
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, PPOCheckpointStateMixin, GRPOTrainer):
+class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, GRPOTrainer):
     """Proximal Policy Optimization with a critic, GAE and a KL-penalized reward (see the module docstring)."""
 
     _tag_names = ["trl", "ppo", "trlx-scale"]
@@ -135,6 +135,7 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, PPOCheckpointStateMixin, GRP
             else FixedKLController(args.kl_coef)
         )
         self.critic = self._build_critic(value_model)
+        self.checkpoint_parts.register("ppo_critic_and_kl", PPOStatePart(self))
         self.ppo_ref_model = self._build_reference(ref_model)
         # The separate critic with its optimizer, wrapped like the policy; None for the shared-base critic, whose
         # parameters the policy's optimizer steps.
@@ -273,7 +274,7 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, PPOCheckpointStateMixin, GRP
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         # PEFT saves the "critic" adapter to a subfolder, and transformers then loads the subfolders only: the
         # policy adapter (the checkpoint's root files) would not be restored. Loaded here; the critic adapter comes
-        # from PPO_STATE_NAME (_load_extra_state).
+        # from PPO_STATE_NAME (its checkpoint part, PPOStatePart).
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 

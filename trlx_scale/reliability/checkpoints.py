@@ -412,7 +412,7 @@ class AtomicCheckpointMixin:
         try:
             super()._save_checkpoint(model, trial)
             if not self.args.save_only_model:
-                self._save_extra_state(path)
+                self.checkpoint_parts.save(path)
         except Exception as error:
             if not is_out_of_space(error):
                 raise
@@ -436,13 +436,6 @@ class AtomicCheckpointMixin:
             return None
         return callback.handler.clock() - callback.decided_at
 
-    def _save_extra_state(self, checkpoint_dir: str) -> None:
-        """Seam: trainer state transformers does not save (GRPO's rollout buffer, PPO's critic), written on every
-        rank before the completion marker."""
-
-    def _load_extra_state(self, checkpoint_dir: str) -> None:
-        """Seam: read back what ``_save_extra_state`` wrote, on every rank, when a run resumes."""
-
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         engine_config = getattr(self.model_wrapped, "_config", None) if self.is_deepspeed_enabled else None
@@ -451,4 +444,4 @@ class AtomicCheckpointMixin:
             # engine's own checkpoints, which have no universal copy.
             engine_config.load_universal_checkpoint = False
         if checkpoint is not None:  # resuming (transformers calls this once the optimizer exists)
-            self._load_extra_state(checkpoint)
+            self.checkpoint_parts.load(checkpoint)  # every part a component registered (checkpoint_parts)

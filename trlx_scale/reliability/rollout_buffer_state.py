@@ -1,4 +1,4 @@
-"""``RolloutBufferCheckpointMixin``: a checkpoint taken inside a rollout's mini-batches resumes inside it.
+"""``RolloutBufferPart``: a checkpoint taken inside a rollout's mini-batches resumes inside it.
 
 TRL restarts its micro-step counter at 0 and drops the rollout buffer on resume: a checkpoint taken in the middle of
 a rollout's mini-batches (``steps_per_generation`` or ``num_iterations`` > 1) would then regenerate early and shift
@@ -8,6 +8,8 @@ every later rollout. Each rank saves both (its buffer is its own) and loads them
 from __future__ import annotations
 
 import os
+import weakref
+from typing import Any
 
 import torch
 from accelerate.utils import send_to_device
@@ -21,35 +23,38 @@ logger = logging.get_logger(__name__)
 ROLLOUT_STATE_NAME = "rollout_state_rank{}.pt"
 
 
-class RolloutBufferCheckpointMixin:
-    """Part of ``GRPOTrainer`` (see the module docstring)."""
+class RolloutBufferPart:
+    """``GRPOTrainer``'s checkpoint part (``reliability.checkpoint_parts``; see the module docstring)."""
 
-    def _save_extra_state(self, checkpoint_dir: str) -> None:
+    def __init__(self, trainer: Any):
+        self._trainer = weakref.ref(trainer)
+
+    def save(self, checkpoint_dir: str) -> None:
         """TRL restarts its micro-step counter at 0 and drops the rollout buffer on resume: a checkpoint taken in the
         middle of a rollout's mini-batches (steps_per_generation or num_iterations > 1) would then regenerate early
         and shift every later rollout. Each rank saves both (its buffer is its own)."""
-        super()._save_extra_state(checkpoint_dir)
-        step, buffered_inputs = trl_state.generation_buffer(self)
+        trainer = self._trainer()
+        step, buffered_inputs = trl_state.generation_buffer(trainer)
         state = {"step": step, "buffered_inputs": send_to_device(buffered_inputs, "cpu")}
-        torch.save(state, os.path.join(checkpoint_dir, ROLLOUT_STATE_NAME.format(self.accelerator.process_index)))
+        torch.save(state, os.path.join(checkpoint_dir, ROLLOUT_STATE_NAME.format(trainer.accelerator.process_index)))
 
-    def _load_extra_state(self, checkpoint_dir: str) -> None:
-        super()._load_extra_state(checkpoint_dir)
+    def load(self, checkpoint_dir: str) -> None:
+        trainer = self._trainer()
         saved = checkpoint_world_size(checkpoint_dir)
-        if saved is not None and saved != self.accelerator.num_processes:
+        if saved is not None and saved != trainer.accelerator.num_processes:
             # Each rank's buffer holds its share of the rollout: at another world size the shares do not map.
             logger.warning(
                 "%s was saved by %d processes, this run has %d: the rollout in progress is generated afresh.",
                 checkpoint_dir,
                 saved,
-                self.accelerator.num_processes,
+                trainer.accelerator.num_processes,
             )
             return
-        path = os.path.join(checkpoint_dir, ROLLOUT_STATE_NAME.format(self.accelerator.process_index))
+        path = os.path.join(checkpoint_dir, ROLLOUT_STATE_NAME.format(trainer.accelerator.process_index))
         if not os.path.isfile(path):
             logger.warning("%s is missing: the first rollout after resuming is generated afresh.", path)
             return
         state = torch.load(path, map_location="cpu", weights_only=False)  # our own file: tensors and lists
         trl_state.set_generation_buffer(
-            self, int(state["step"]), send_to_device(state["buffered_inputs"], self.accelerator.device)
+            trainer, int(state["step"]), send_to_device(state["buffered_inputs"], trainer.accelerator.device)
         )

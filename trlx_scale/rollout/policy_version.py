@@ -29,6 +29,7 @@ class PolicyVersionMixin:
     def _setup_policy_version(self) -> None:
         self.policy_version = 0
         self.add_callback(_CountPolicyUpdates(self))
+        self.checkpoint_parts.register("policy_version", PolicyVersionPart(self))
 
     def _weights_were_updated(self) -> bool:
         """Whether the optimizer step that just ran changed the weights: unless the non-finite guard skipped it.
@@ -57,20 +58,28 @@ class PolicyVersionMixin:
         super()._load_best_model()
         self._weights_replaced()
 
-    def _save_extra_state(self, checkpoint_dir: str) -> None:
-        super()._save_extra_state(checkpoint_dir)
-        if self.args.should_save:
-            path = os.path.join(checkpoint_dir, POLICY_VERSION_NAME)
-            write_text_atomically(path, json.dumps({"policy_version": self.policy_version}))
 
-    def _load_extra_state(self, checkpoint_dir: str) -> None:
-        super()._load_extra_state(checkpoint_dir)
+class PolicyVersionPart:
+    """The policy version in each checkpoint (``reliability.checkpoint_parts``), the same on every rank: the main
+    process writes it."""
+
+    def __init__(self, trainer: PolicyVersionMixin):
+        self._trainer = weakref.ref(trainer)
+
+    def save(self, checkpoint_dir: str) -> None:
+        trainer = self._trainer()
+        if trainer.args.should_save:
+            path = os.path.join(checkpoint_dir, POLICY_VERSION_NAME)
+            write_text_atomically(path, json.dumps({"policy_version": trainer.policy_version}))
+
+    def load(self, checkpoint_dir: str) -> None:
+        trainer = self._trainer()
         path = os.path.join(checkpoint_dir, POLICY_VERSION_NAME)
         if os.path.isfile(path):
             with open(path) as handle:
-                self.policy_version = int(json.load(handle)["policy_version"])
+                trainer.policy_version = int(json.load(handle)["policy_version"])
         else:  # a checkpoint of an older version: its weights are the step's (what the count would say)
-            self.policy_version = self.state.global_step
+            trainer.policy_version = trainer.state.global_step
 
 
 class _CountPolicyUpdates(TrainerCallback):
