@@ -102,9 +102,22 @@ def _timed_trl_trainer_cls():
     import torch
     import trl
 
-    from trlx_scale.profiling.trainer_profiling import PhaseProfilerMixin
+    from trlx_scale.profiling.trainer_profiling import StepProfiler
 
-    class TimedTRLGRPOTrainer(PhaseProfilerMixin, trl.GRPOTrainer):
+    class TimedTRLGRPOTrainer(trl.GRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            self.profiler = StepProfiler(kwargs.get("args"))
+            self.phase_timer = self.profiler.phase_timer
+            super().__init__(*args, **kwargs)
+            self.profiler.start(self)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            with self.profiler.profiled_step():
+                return super().training_step(model, inputs, num_items_in_batch)
+
+        def log(self, logs, start_time=None):
+            super().log({**logs, **self.profiler.log_metrics(logs)}, start_time)
+
         def _prepare_inputs(self, generation_batch):
             with self.phase_timer.phase("rollout"):
                 return super()._prepare_inputs(generation_batch)
@@ -116,14 +129,14 @@ def _timed_trl_trainer_cls():
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
             with self.phase_timer.phase("generation"):
                 result = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-            self._count_generation(prompt_ids, result[0])
+            self.profiler.count_generation(prompt_ids, result[0])
             return result
 
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
             training = torch.is_grad_enabled()
             with self.phase_timer.phase("old_logprobs") if not training else contextlib.nullcontext():
                 result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
-            self._count_logprob_pass(attention_mask, training=training)
+            self.profiler.count_logprob_pass(attention_mask, training=training)
             return result
 
     return TimedTRLGRPOTrainer

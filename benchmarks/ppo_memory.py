@@ -120,7 +120,7 @@ def model_state_gib(trainer) -> dict[str, float]:
     (``memory/held/<role>_gib``, trlx_scale/planning/held_memory.py): parameters or their partition, gradients, fp32
     masters and Adam moments, counted tensor by tensor. DDP's gradient buckets (one more copy of the gradients) are
     not counted."""
-    held = trainer.held_memory_metrics()
+    held = trainer.memory_planner.held_memory_metrics()
     return {role: held[f"memory/held/{role}_gib"] for role in ("policy", "critic", "reference")}
 
 

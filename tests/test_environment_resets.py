@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trlx_scale.agents.environment_resets import EnvironmentResetMixin
+from trlx_scale.agents.environment_resets import rollout_prompts
 from trlx_scale.compat.trl_rollout_environments import (
     EnvironmentResetTimeout,
     draw_like_trl,
@@ -47,9 +47,15 @@ class _Env:
         return key
 
 
-class _TrainerLike(EnvironmentResetMixin):
+class _TrainerLike:
     """The attributes of TRL 1.16's GRPOTrainer that its environment draw and tool dicts read (pinned by
-    tests/test_trl_contract.py), under the mixin."""
+    tests/test_trl_contract.py), with GRPOTrainer's prompt stage."""
+
+    def _rollout_prompts(self, rows: list[dict]) -> list:
+        return rollout_prompts(self, rows)
+
+    def _resets_trl_environments(self) -> bool:
+        return True
 
     def __init__(self, factories: dict | None, multi: bool = False, scheduling: str = "concurrent", tools=()):
         self.environment_factories = factories

@@ -241,27 +241,36 @@ def test_bad_settings_name_the_field(tmp_path, default_model_dir):
 
 
 def _layout(deepspeed_stage=None, fsdp=False, **fields):
-    """A stand-in trainer for PaddingFreeMixin's decision: the config fields and the layout flags it reads."""
+    """PassLayout's decision on a stand-in trainer: the config fields and the layout flags it reads."""
     from types import SimpleNamespace
 
-    from trlx_scale.passes.padding_free_choice import PaddingFreeMixin
+    from trlx_scale.passes.padding_free_choice import PassLayout
 
-    trainer = PaddingFreeMixin()
+    class StandIn:  # weakly referenced by the component, as a trainer is
+        pass
+
+    trainer = StandIn()
     trainer.args = SimpleNamespace(**fields)
     trainer.is_deepspeed_enabled, trainer.is_fsdp_enabled = deepspeed_stage is not None, fsdp
     plugin = SimpleNamespace(zero_stage=deepspeed_stage)
     trainer.accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
+    trainer.pass_layout = PassLayout(trainer)
     return trainer
+
+
+def _recomputes(**settings) -> bool:
+    trainer = _layout(**settings)  # held here: the layout holds its trainer weakly
+    return trainer.pass_layout.recompute_forwards()
 
 
 def test_zero3_refuses_it_by_name_and_the_other_layouts_take_it():
     budget = dict(max_tokens_per_microbatch=64)
-    assert _layout(deepspeed_stage=2, recompute_forwards="auto", **budget)._recompute_forwards()
-    assert not _layout(recompute_forwards="auto", max_tokens_per_microbatch=None)._recompute_forwards()
-    assert not _layout(deepspeed_stage=3, recompute_forwards="auto", **budget)._recompute_forwards()
-    assert _layout(fsdp=True, recompute_forwards="auto", **budget)._recompute_forwards()  # FSDP2: verified
+    assert _recomputes(deepspeed_stage=2, recompute_forwards="auto", **budget)
+    assert not _recomputes(recompute_forwards="auto", max_tokens_per_microbatch=None)
+    assert not _recomputes(deepspeed_stage=3, recompute_forwards="auto", **budget)
+    assert _recomputes(fsdp=True, recompute_forwards="auto", **budget)  # FSDP2: verified
     with pytest.raises(ValueError, match="recompute_forwards='true' cannot run: under DeepSpeed ZeRO-3"):
-        _layout(deepspeed_stage=3, recompute_forwards="true", **budget)._recompute_forwards()
+        _recomputes(deepspeed_stage=3, recompute_forwards="true", **budget)
 
 
 def test_trls_zero3_gather_in_the_fused_head_still_reads_deepspeeds_attribute():

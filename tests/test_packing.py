@@ -356,7 +356,7 @@ def test_every_loss_type_trains_like_the_padded_run(grpo, loss_type):
     extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
     padded = grpo("false", loss_type=loss_type, **extra)
     packed = grpo("true", loss_type=loss_type, **extra)
-    assert packed._padding_free_decision and not padded._padding_free_decision
+    assert packed.pass_layout.padding_free_decision and not padded.pass_layout.padding_free_decision
     assert logged(packed, "reward") == logged(padded, "reward")  # the same samples were drawn
     torch.testing.assert_close(logged(packed, "loss"), logged(padded, "loss"), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logged(packed, "grad_norm"), logged(padded, "grad_norm"), rtol=1e-4, atol=1e-6)
@@ -413,7 +413,7 @@ def test_padding_free_true_refuses_a_model_that_cannot_pack(grpo):
     with pytest.raises(ValueError, match=r"padding_free='true' cannot run: .*flex_attention"):
         grpo("true", model_init_kwargs={"attn_implementation": "flex_attention"}, max_steps=1)
     auto = grpo("auto", model_init_kwargs={"attn_implementation": "eager"}, max_steps=1)
-    assert auto._padding_free_decision
+    assert auto.pass_layout.padding_free_decision
 
 
 def test_bad_settings_name_the_field(tmp_path):
@@ -441,7 +441,7 @@ def test_dpo_chosen_and_rejected_train_like_the_padded_run(tmp_path, default_mod
         assert trainer.args.padding_free == setting  # TRL saw False; ours is back on our copy
         trainer.train()
         runs[setting] = trainer
-    assert runs["true"]._padding_free_decision
+    assert runs["true"].pass_layout.padding_free_decision
     # fp32 rounding of the two passes compounds over the 3 optimizer steps: up to 1.5e-5 relative (loss, ld_alpha)
     # on an AVX-512 Xeon, where rtol=1e-5 failed on the unchanged code; a masking error moves these by 1e-2 or more.
     for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins"):
@@ -530,7 +530,7 @@ def test_a_tree_whose_branches_see_each_other_would_be_caught(default_model_dir)
 def test_grpo_with_packing_and_shared_prefix_trains_like_the_padded_run(grpo):
     padded = grpo("false")
     tree = grpo("true", shared_prefix="true")
-    assert tree._padding_free_decision and tree._shared_prefix_decision
+    assert tree.pass_layout.padding_free_decision and tree.logprob_passes.shared_prefix_decision
     assert min(logged(tree, "shared_prefix/token_ratio")) > 1.0  # each prompt once
     torch.testing.assert_close(logged(tree, "loss"), logged(padded, "loss"), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logged(tree, "grad_norm"), logged(padded, "grad_norm"), rtol=1e-4, atol=1e-6)

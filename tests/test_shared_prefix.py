@@ -182,8 +182,8 @@ def test_trainer_pass_matches_trl_pass_and_reports_the_ratio(default_model_dir, 
     ids, mask = _batch(num_generations=4)
     trainer.model.train()
     shared, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, COMPLETION_LEN, batch_size=4)
-    assert trainer._shared_prefix_decision is True
-    trainer._shared_prefix_decision = False  # TRL's own pass, same model
+    assert trainer.logprob_passes.shared_prefix_decision is True
+    trainer.logprob_passes.shared_prefix_decision = False  # TRL's own pass, same model
     plain, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, COMPLETION_LEN, batch_size=4)
     completion = mask[:, -COMPLETION_LEN:].bool()
     torch.testing.assert_close(shared[completion], plain[completion], rtol=1e-5, atol=1e-6)
@@ -208,11 +208,17 @@ def test_auto_explains_why_it_is_off_and_true_refuses(default_model_dir, tmp_pat
     reentrant = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
     trainer = _trainer(default_model_dir, tmp_path / "auto", shared_prefix="auto", **reentrant)
     trainer.train()
-    assert trainer._shared_prefix_decision is False and "use_reentrant" in trainer.shared_prefix_off_reason
+    assert (
+        trainer.logprob_passes.shared_prefix_decision is False
+        and "use_reentrant" in trainer.logprob_passes.shared_prefix_off_reason
+    )
     assert not [e for e in trainer.state.log_history if "shared_prefix/token_ratio" in e]
     single = _trainer(default_model_dir, tmp_path / "g1", shared_prefix="auto", num_generations=2)
     single.num_generations = 1  # G=1 (TRL's config refuses it for GRPO, but subclasses reuse the pass)
-    assert not single._shared_prefix_enabled(single.model) and "num_generations=1" in single.shared_prefix_off_reason
+    assert (
+        not single.logprob_passes.shared_prefix_enabled(single.model)
+        and "num_generations=1" in single.logprob_passes.shared_prefix_off_reason
+    )
     strict = _trainer(default_model_dir, tmp_path / "true", shared_prefix="true", **reentrant)
     with pytest.raises(ValueError, match="shared_prefix='true' cannot run: gradient checkpointing is reentrant"):
         strict.train()
@@ -228,8 +234,8 @@ def test_fsdp1_is_refused_and_fsdp2_allowed(default_model_dir, tmp_path):
     trainer.is_fsdp_enabled = True
     try:
         trainer.accelerator = SimpleNamespace(is_fsdp2=False, unwrap_model=real.unwrap_model)
-        assert "set fsdp_version: 2" in trainer._shared_prefix_blocker(trainer.model, auto=False)
+        assert "set fsdp_version: 2" in trainer.logprob_passes.shared_prefix_blocker(trainer.model, auto=False)
         trainer.accelerator = SimpleNamespace(is_fsdp2=True, unwrap_model=real.unwrap_model)
-        assert trainer._shared_prefix_blocker(trainer.model, auto=False) is None
+        assert trainer.logprob_passes.shared_prefix_blocker(trainer.model, auto=False) is None
     finally:
         trainer.accelerator, trainer.is_fsdp_enabled = real, False

@@ -68,22 +68,6 @@ def test_options_registry_knows_every_trlx_scale_field_and_plain_trl_meanings():
         option(plain, "shared_prefx")
 
 
-def test_grpo_trainer_sets_every_feature_up(default_model_dir, tmp_path):
-    from trlx_scale.tasks import addition_dataset, exact_match_reward
-
-    trainer = GRPOTrainer(
-        default_model_dir,
-        exact_match_reward,
-        small_grpo_config(tmp_path, max_steps=1),
-        train_dataset=addition_dataset("train", size=8),
-    )
-    assert trainer.features_ready and trainer.policy_version == 0
-    names = {type(c).__name__ for c in trainer.callback_handler.callbacks}
-    assert {"_StepClock", "_DropGradientsOfSkippedStep", "_CountPolicyUpdates"} <= names
-    trainer.train()
-    assert trainer.policy_version == 1
-
-
 def test_weights_loaded_from_a_checkpoint_are_sent_to_the_engine_again(default_model_dir, tmp_path):
     """A checkpoint (or the best model at the end) replaces the weights outside the optimizer: whatever the version
     numbers say, the engine no longer serves them, and its next round syncs."""
@@ -125,8 +109,8 @@ def test_dpo_batch_without_pairs_goes_through_the_profiler_and_the_guard(default
         reward_funcs=_unanimous_reward,
     )
     noted = []
-    original = trainer._guard_note_loss
-    trainer._guard_note_loss = lambda loss: (noted.append(float(loss)), original(loss))[1]
+    original = trainer.nonfinite_guard.note_loss
+    trainer.nonfinite_guard.note_loss = lambda loss: (noted.append(float(loss)), original(loss))[1]
     trainer.train()
     assert noted == [0.0]
     logs = [e for e in trainer.state.log_history if "loss" in e]

@@ -10,29 +10,24 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 import trlx_scale
 from trlx_scale import AsyncGRPOTrainer, DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
-from trlx_scale.agents.colocated_tool_loop import ConcurrentToolLoopMixin
-from trlx_scale.agents.environment_resets import EnvironmentResetMixin
 from trlx_scale.async_grpo.tool_loop import AsyncToolLoopMixin
-from trlx_scale.dpo.online import OnlineDPOMixin
-from trlx_scale.dpo.reference_engine import DPOEngineMixin
-from trlx_scale.generation.colocated_engine_setup import ColocatedEngineMixin
 from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
-from trlx_scale.grpo.logprob_passes import LogProbPassesMixin
-from trlx_scale.grpo.loss_pass_correction import LossPassCorrectionMixin
 
 # TRL's methods each trlx_scale class overrides (its own methods are not pinned: renaming them is trlx_scale's
 # business). The test fails when one disappears or changes signature upstream, and when a class starts to override
 # a TRL method (on purpose or by a name clash): pin it here then.
 TRL_OVERRIDES = {
-    GRPOTrainer: {"_calculate_rewards", "_generate_and_score_completions", "_prepare_inputs", "train"},
-    LogProbPassesMixin: {"_get_per_token_logps_and_entropies"},
-    LossPassCorrectionMixin: {"_compute_loss"},
-    ColocatedEngineMixin: {"_generate_single_turn"},
-    ConcurrentToolLoopMixin: {"_tool_call_loop"},
-    EnvironmentResetMixin: set(),
-    DPOTrainer: {"_compute_loss"},
-    DPOEngineMixin: {"_precompute_ref_logps"},
-    OnlineDPOMixin: {"_prepare_dataset", "train"},
+    GRPOTrainer: {
+        "_calculate_rewards",
+        "_compute_loss",
+        "_generate_and_score_completions",
+        "_generate_single_turn",
+        "_get_per_token_logps_and_entropies",
+        "_prepare_inputs",
+        "_tool_call_loop",
+        "train",
+    },
+    DPOTrainer: {"_compute_loss", "_precompute_ref_logps", "_prepare_dataset", "train"},
     PPOTrainer: {"_compute_loss", "_load_from_checkpoint", "create_optimizer"},
     ColocatedVLLMGeneration: {"_init_vllm", "generate", "sync_weights"},
     AsyncGRPOTrainer: {"_generate_and_score_completions", "evaluate", "train"},
@@ -107,14 +102,7 @@ def test_overridden_methods_exist_upstream_with_the_same_signature():
     # (ours, TRL's class, the class whose signature ours must keep: AsyncGRPOTrainer's parent is our GRPOTrainer)
     triples = (
         (GRPOTrainer, trl.GRPOTrainer, trl.GRPOTrainer),
-        (LogProbPassesMixin, trl.GRPOTrainer, trl.GRPOTrainer),
-        (LossPassCorrectionMixin, trl.GRPOTrainer, trl.GRPOTrainer),
-        (ColocatedEngineMixin, trl.GRPOTrainer, trl.GRPOTrainer),
-        (ConcurrentToolLoopMixin, trl.GRPOTrainer, trl.GRPOTrainer),
-        (EnvironmentResetMixin, trl.GRPOTrainer, trl.GRPOTrainer),
         (DPOTrainer, trl.DPOTrainer, trl.DPOTrainer),
-        (DPOEngineMixin, trl.DPOTrainer, trl.DPOTrainer),
-        (OnlineDPOMixin, trl.DPOTrainer, trl.DPOTrainer),
         (PPOTrainer, trl.GRPOTrainer, trl.GRPOTrainer),
         (ColocatedVLLMGeneration, VLLMGeneration, VLLMGeneration),
         (AsyncGRPOTrainer, trl.GRPOTrainer, GRPOTrainer),
@@ -136,53 +124,38 @@ def test_overridden_methods_exist_upstream_with_the_same_signature():
         )
 
 
-def test_reliability_and_hub_mixins_override_trainer_methods_that_still_exist():
-    """The guard, checkpoint and Hub mixins override these transformers.Trainer methods (and the guard's callback
-    listens to these events): each must still exist upstream with the parameters the mixin forwards."""
+def test_trainer_features_override_trainer_methods_that_still_exist():
+    """TrainerFeatures overrides these transformers.Trainer methods, each delegating to a component (and the
+    components' callbacks listen to these events): each must still exist upstream with the parameters it forwards."""
     from transformers import Trainer, TrainerCallback
 
-    from trlx_scale.hub.push import HubPushMixin
-    from trlx_scale.reliability.checkpoints import AtomicCheckpointMixin
-    from trlx_scale.reliability.nonfinite_guard import NonFiniteGuardMixin
-    from trlx_scale.rollout.policy_version import PolicyVersionMixin
     from trlx_scale.trainer_features import TrainerFeatures
 
-    overrides = {
-        TrainerFeatures: ("training_step", "log"),
-        PolicyVersionMixin: ("_load_from_checkpoint", "_load_best_model"),
-        NonFiniteGuardMixin: ("_get_grad_norm",),
-        AtomicCheckpointMixin: (
-            "train",
-            "_save_checkpoint",
-            "_load_optimizer_and_scheduler",
-            "_save_optimizer_and_scheduler",
-            "_finalize_training",
-        ),
-        HubPushMixin: (
-            "push_to_hub",
-            "init_hf_repo",
-            "save_model",
-            "create_model_card",
-            "_save",
-            "_push_from_checkpoint",
-        ),
-    }
-    for mixin, names in overrides.items():
-        for name in names:
-            assert hasattr(Trainer, name), f"Trainer.{name} disappeared upstream"
-            theirs = [p.name for p in inspect.signature(getattr(Trainer, name)).parameters.values()]
-            ours = [p.name for p in inspect.signature(getattr(mixin, name)).parameters.values()]
-            positional = [n for n in ours if n not in ("args", "kwargs")]
-            assert theirs[: len(positional)] == positional, f"{mixin.__name__}.{name}: {ours} vs {theirs}"
-    for event in ("on_pre_optimizer_step", "on_optimizer_step", "on_step_end"):
+    overridden = (
+        "training_step", "log", "compute_loss", "evaluate", "create_optimizer", "_get_grad_norm",
+        "_load_from_checkpoint", "_load_best_model", "train", "_finalize_training", "_save_checkpoint",
+        "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "init_hf_repo", "_save", "save_model",
+        "create_model_card", "push_to_hub", "_push_from_checkpoint",
+    )  # fmt: skip
+    ours_upstream = {
+        name for name, member in vars(TrainerFeatures).items() if callable(member) and hasattr(Trainer, name)
+    } - {"__init__"}
+    assert ours_upstream == set(overridden), "pin a new override here (or rename a clash)"
+    for name in overridden:
+        assert hasattr(Trainer, name), f"Trainer.{name} disappeared upstream"
+        theirs = [p.name for p in inspect.signature(getattr(Trainer, name)).parameters.values()]
+        ours = [p.name for p in inspect.signature(getattr(TrainerFeatures, name)).parameters.values()]
+        positional = [n for n in ours if n not in ("args", "kwargs")]
+        assert theirs[: len(positional)] == positional, f"TrainerFeatures.{name}: {ours} vs {theirs}"
+    for event in ("on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_train_begin"):
         assert hasattr(TrainerCallback, event)
-    # transformers' save_model pushes unless _internal_call (the Hub mixin relies on the flag to save only).
+    # transformers' save_model pushes unless _internal_call (the Hub push relies on the flag to save only).
     assert "_internal_call" in inspect.signature(Trainer.save_model).parameters
-    assert hasattr(Trainer, "_finish_current_push")  # the Hub mixin waits on checkpoint uploads with it
+    assert hasattr(Trainer, "_finish_current_push")  # the Hub push waits on checkpoint uploads with it
 
 
 def test_transformers_still_pickles_the_whole_arguments_where_the_hub_mixin_rewrites_them():
-    """The Hub mixin rewrites training_args.bin after Trainer._save and replaces Trainer._push_from_checkpoint
+    """The Hub push rewrites training_args.bin after Trainer._save and replaces Trainer._push_from_checkpoint
     because both pickle ``self.args`` (tokens included) under this name: if transformers stops (or renames the
     file), the rewrite can go."""
     from transformers import Trainer, trainer
@@ -194,20 +167,19 @@ def test_transformers_still_pickles_the_whole_arguments_where_the_hub_mixin_rewr
         assert "torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))" in inspect.getsource(method)
 
 
-def test_phase_profiler_mixin_overrides_keep_trainer_signatures():
-    """The profiler wraps Trainer.evaluate with *args/**kwargs (TrainerFeatures wraps training_step and log, with
-    transformers' own parameters), and the methods it times (and the callback events it listens to) must still exist
-    upstream."""
-    from transformers import Trainer, TrainerCallback
+def test_the_profiled_methods_and_the_wrapped_signatures_still_exist_upstream():
+    """TrainerFeatures wraps training_step and log with transformers' own parameters, and compute_loss so that every
+    way TRL/transformers call it still binds; the methods the trainers time must still exist upstream."""
+    from transformers import Trainer
 
-    from trlx_scale.profiling.trainer_profiling import PhaseProfilerMixin
     from trlx_scale.trainer_features import TrainerFeatures
 
-    assert hasattr(Trainer, "evaluate") and hasattr(PhaseProfilerMixin, "evaluate")
     for name in ("training_step", "log"):
         assert _parameters(getattr(TrainerFeatures, name)) == _parameters(getattr(Trainer, name)), name
-    for event in ("on_train_begin", "on_optimizer_step", "on_step_end"):
-        assert hasattr(TrainerCallback, event)
+    for parent in (trl.GRPOTrainer, trl.DPOTrainer):
+        upstream = inspect.signature(parent.compute_loss)
+        call = upstream.bind(None, "model", "inputs", *[p.default for p in list(upstream.parameters.values())[3:]])
+        inspect.signature(TrainerFeatures.compute_loss).bind(*call.args, **call.kwargs)
     for name in (
         "_prepare_inputs",
         "_calculate_rewards",
@@ -217,18 +189,6 @@ def test_phase_profiler_mixin_overrides_keep_trainer_signatures():
         assert hasattr(trl.GRPOTrainer, name), name
     for name in ("_precompute_ref_logps", "_compute_loss"):
         assert hasattr(trl.DPOTrainer, name), name
-
-
-def test_planned_memory_mixin_overrides_keep_trainer_signatures():
-    """The mixin wraps compute_loss (and TrainerFeatures log): every way TRL/transformers call them must still bind."""
-    from trlx_scale.planning.trainer_memory import PlannedMemoryMixin
-    from trlx_scale.trainer_features import TrainerFeatures
-
-    assert _parameters(TrainerFeatures.log) == _parameters(trl.GRPOTrainer.log)
-    for parent in (trl.GRPOTrainer, trl.DPOTrainer):
-        upstream = inspect.signature(parent.compute_loss)
-        call = upstream.bind(None, "model", "inputs", *[p.default for p in list(upstream.parameters.values())[3:]])
-        inspect.signature(PlannedMemoryMixin.compute_loss).bind(*call.args, **call.kwargs)
 
 
 def test_vllm_generation_constructor_still_takes_what_we_pass():
@@ -412,10 +372,10 @@ def test_trl_rollout_lines_the_async_trainer_relies_on():
 
 
 def test_the_concurrent_tool_loop_keeps_trls_tool_call_loop_contract():
-    """ConcurrentToolLoopMixin replaces TRL's _tool_call_loop: same arguments, the same 7 values returned, the same
+    """GRPOTrainer's tool loop replaces TRL's _tool_call_loop: same arguments, the same 7 values returned, the same
     per-rollout tool dicts read, and TRL's _generate still the one caller."""
 
-    assert _parameters(ConcurrentToolLoopMixin._tool_call_loop) == _parameters(trl.GRPOTrainer._tool_call_loop)
+    assert _parameters(GRPOTrainer._tool_call_loop) == _parameters(trl.GRPOTrainer._tool_call_loop)
     loop = inspect.getsource(trl.GRPOTrainer._tool_call_loop)
     assert (
         "return tool_mask, completions, completion_ids, logprobs, tool_call_count, tool_failure_count, tool_images"

@@ -46,14 +46,14 @@ def main(model_dir: str, report_path: str) -> None:
     )
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "memory/planned_peak_gib" in entry]
-    plan = trainer.planned_memory()
+    plan = trainer.memory_planner.planned_memory()
     report = {
         "rank": int(os.environ.get("RANK", "0")),
         "world_size": world,
         "backend": plan.layout.backend,
         "planned_peak_gib": logged[-1]["memory/planned_peak_gib"],
         "measured_peak_gib": logged[-1]["memory/peak_host_gib"],
-        "runtime_baseline_gib": trainer._runtime_baseline_bytes / 2**30,
+        "runtime_baseline_gib": trainer.memory_planner.runtime_baseline_bytes / 2**30,
         "roles_gib": {r.role: r.peak / 2**30 for r in plan.roles},
         "final_rss_gib": current_rss_bytes() / 2**30,
         "params": sum(p.numel() for p in trainer.accelerator.unwrap_model(trainer.model).parameters()),

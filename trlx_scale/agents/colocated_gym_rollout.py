@@ -1,4 +1,4 @@
-"""``GymRolloutMixin``: ``GRPOTrainer(rollout_func=GymRollout(...))`` runs gym-style episodes on the colocated engine.
+"""``ColocatedGymRollout``: ``GRPOTrainer(rollout_func=GymRollout(...))`` runs gym-style episodes on the colocated engine.
 
 TRL's ``_generate`` hands a ``rollout_func`` the batch's prompts and the trainer, and trains on what it returns
 (``agents.gym_rollout``). This mixin is the trainer's side of that call for a ``GymRollout``: the episodes run on
@@ -12,14 +12,14 @@ list (``rollout.carried_values.RolloutPrompts``, built by ``_sample_rollout``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from trl.chat_template_utils import parse_response
 
 from ..compat import trl_trainer_state as trl_state
 from ..options import option
-from ..rollout.carried_values import RolloutPrompts, rows_of
-from ..rollout.collector import RolloutSamples
+from ..rollout.carried_values import rows_of
 from .colocated_tool_loop import _run_blocking
 from .colocated_turn_sampler import ColocatedTurnSampler
 from .gym_rollout import GymRollout
@@ -27,22 +27,20 @@ from .multi_turn_rollout import trajectory_metrics
 from .trajectory_tokens import ObservationRenderer, TurnBudget
 
 
-class GymRolloutMixin:
-    """Part of ``GRPOTrainer`` (see the module docstring); needs ``ConcurrentToolLoopMixin``'s seeds."""
+class ColocatedGymRollout:
+    """``GRPOTrainer``'s gym episodes (``gym_rollout``; see the module docstring): its ``_gym_rollout`` runs ``run``.
+    Its seeds are the tool loop's (``tool_loop.trajectory_seed``)."""
 
-    # Whether this trainer's ``_gym_rollout`` resets environments from the rows (AsyncGRPOTrainer's producer does
-    # that itself, so there the rows TRL would deep-copy go unread).
-    _gym_rollout_reads_rows = True
+    def __init__(self, trainer: Any):
+        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
 
-    def _sample_rollout(self, prompts: list, rows: list[dict[str, Any]]) -> RolloutSamples:
-        """The collector's sampling stage: TRL's generation driver ``_generate`` on the rollout's prompts, which carry
-        their rows to a ``GymRollout`` (only there: TRL deep-copies the list it is given, rows included)."""
-        if isinstance(self.rollout_func, GymRollout) and self._gym_rollout_reads_rows:
-            prompts = RolloutPrompts(prompts, rows)
-        return RolloutSamples(*self._generate(prompts))
+    @property
+    def trainer(self) -> Any:
+        return self._trainer()
 
-    def _gym_rollout(self, gym: GymRollout, prompts: list) -> dict[str, list]:
-        engine = self._rollout_engine()
+    def run(self, gym: GymRollout, prompts: list) -> dict[str, list]:
+        """The episodes of ``gym`` for these prompts (each carrying its row) on the colocated engine, as TRL's output."""
+        engine = self.trainer._rollout_engine()
         if engine is None:
             raise ValueError(
                 "GymRollout runs its episodes on trlx_scale's colocated vLLM engine: set use_vllm=True and "
@@ -55,8 +53,8 @@ class GymRolloutMixin:
                 "generation driver with them (rollout.carried_values.RolloutPrompts); a rollout built another way "
                 "cannot reset the environments from their rows."
             )
-        mode = "train" if self.model.training else "eval"
-        with self.phase_timer.phase("generation"), engine.serving_turns() as llm:
+        mode = "train" if self.trainer.model.training else "eval"
+        with self.trainer.phase_timer.phase("generation"), engine.serving_turns() as llm:
             sampler = ColocatedTurnSampler(
                 llm, lora_request=engine.llm.lora_request, sampling_params=engine.turn_sampling_params
             )
@@ -64,18 +62,20 @@ class GymRolloutMixin:
                 gym.run_episodes(
                     prompts,
                     rows,
-                    [self._trajectory_seed(index, mode) for index in range(len(prompts))],
+                    [self.trainer.tool_loop.trajectory_seed(index, mode) for index in range(len(prompts))],
                     sampler=sampler,
-                    renderer=ObservationRenderer(self.processing_class, chat_template=self.chat_template),
-                    parse=self._gym_turn_parser(),
-                    budget=self._gym_budget(llm.llm_engine.model_config.max_model_len),
-                    tokenizer=trl_state.tokenizer(self),
-                    prefix_mismatch=option(self.args, "prefix_mismatch"),
+                    renderer=ObservationRenderer(
+                        self.trainer.processing_class, chat_template=self.trainer.chat_template
+                    ),
+                    parse=self.turn_parser(),
+                    budget=self.budget(llm.llm_engine.model_config.max_model_len),
+                    tokenizer=trl_state.tokenizer(self.trainer),
+                    prefix_mismatch=option(self.trainer.args, "prefix_mismatch"),
                 )
             )
         output = gym.trl_output(trajectories)
-        self._count_generation(output["prompt_ids"], output["completion_ids"])
-        metrics = trl_state.metrics(self, mode)
+        self.trainer.profiler.count_generation(output["prompt_ids"], output["completion_ids"])
+        metrics = trl_state.metrics(self.trainer, mode)
         for name, value in trajectory_metrics(trajectories).items():
             metrics[name].append(value)
         if sampler.max_in_flight:
@@ -84,21 +84,21 @@ class GymRolloutMixin:
             metrics[name].append(value)
         return output
 
-    def _gym_budget(self, max_model_len: int) -> TurnBudget:
+    def budget(self, max_model_len: int) -> TurnBudget:
         return TurnBudget(
-            max_completion_length=self.max_completion_length,
+            max_completion_length=self.trainer.max_completion_length,
             max_model_len=max_model_len,
-            max_turn_tokens=option(self.args, "max_turn_tokens"),
-            max_tool_calling_iterations=self.max_tool_calling_iterations,
-            max_tool_response_tokens=option(self.args, "max_tool_response_tokens"),
-            tool_response_overflow=option(self.args, "tool_response_overflow"),
+            max_turn_tokens=option(self.trainer.args, "max_turn_tokens"),
+            max_tool_calling_iterations=self.trainer.max_tool_calling_iterations,
+            max_tool_response_tokens=option(self.trainer.args, "max_tool_response_tokens"),
+            tool_response_overflow=option(self.trainer.args, "tool_response_overflow"),
         )
 
-    def _gym_turn_parser(self, tokenizer: Any = None):
+    def turn_parser(self, tokenizer: Any = None):
         """An assistant turn's message: TRL's ``parse_response`` where the tokenizer has a response template (tool
         calls read as TRL reads them), else the decoded text, as TRL decodes completions without one. ``tokenizer``:
         the trainer's by default (the asynchronous producer passes its own copy)."""
-        tokenizer = tokenizer if tokenizer is not None else trl_state.tokenizer(self)
+        tokenizer = tokenizer if tokenizer is not None else trl_state.tokenizer(self.trainer)
         if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
             return lambda ids: parse_response(tokenizer, ids)
         return lambda ids: {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}

@@ -20,6 +20,8 @@ import asyncio
 import contextlib
 import hashlib
 import threading
+import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,21 +46,31 @@ logger = logging.get_logger(__name__)
 MAX_TOOL_THREADS = 64
 
 
-class ConcurrentToolLoopMixin:
-    """Overrides TRL's ``_tool_call_loop`` (see the module docstring); needs ``_rollout_engine`` (GRPOTrainer)."""
+class ColocatedToolLoop:
+    """``GRPOTrainer``'s tool loop (``tool_loop``; see the module docstring): its ``_tool_call_loop`` override runs
+    ``run``. Needs the trainer's ``_rollout_engine``."""
 
-    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+    def __init__(self, trainer: Any):
+        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
+        self._told_lockstep = False
+
+    @property
+    def trainer(self) -> Any:
+        return self._trainer()
+
+    def run(
+        self, trl_loop: Callable, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+    ):
+        """TRL's ``_tool_call_loop`` contract; ``trl_loop`` is TRL's own (lockstep) loop."""
         reason = self._lockstep_reason(images, multimodal_fields)
         if reason is not None:
-            if option(self.args, "tool_scheduling") == "concurrent" and not getattr(self, "_told_lockstep", False):
+            if option(self.trainer.args, "tool_scheduling") == "concurrent" and not self._told_lockstep:
                 logger.info("Tool calls run in TRL's lockstep loop: %s.", reason)
                 self._told_lockstep = True
-            engine = self._rollout_engine()
+            engine = self.trainer._rollout_engine()
             with engine.continuing_turns() if engine is not None else contextlib.nullcontext():
-                return super()._tool_call_loop(
-                    prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
-                )
-        engine = self._rollout_engine()
+                return trl_loop(prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields)
+        engine = self.trainer._rollout_engine()
         states = [
             TrajectoryState(
                 prompt=prompts[i],
@@ -68,7 +80,7 @@ class ConcurrentToolLoopMixin:
                 logprobs=None if logprobs is None else list(logprobs[i]),
                 tool_mask=[1] * len(completion_ids[i]),
                 tools=tools,
-                last_turn_cut=bool(completion_ids[i]) and completion_ids[i][-1] not in self.eos_token_ids,
+                last_turn_cut=bool(completion_ids[i]) and completion_ids[i][-1] not in self.trainer.eos_token_ids,
             )
             for i, tools in enumerate(self._tools_of_rollouts(len(prompt_ids)))
         ]
@@ -76,41 +88,41 @@ class ConcurrentToolLoopMixin:
         executor = ThreadPoolExecutor(
             max_workers=min(MAX_TOOL_THREADS, max(1, len(states))), thread_name_prefix="trlx-scale-tool"
         )
-        timeout = option(self.args, "tool_timeout")
+        timeout = option(self.trainer.args, "tool_timeout")
         runners = [
-            ToolRunner(trl_state.rollout_tools(self, i), timeout=timeout, executor=executor)
+            ToolRunner(trl_state.rollout_tools(self.trainer, i), timeout=timeout, executor=executor)
             for i in range(len(states))
         ]
-        mode = "train" if self.model.training else "eval"
+        mode = "train" if self.trainer.model.training else "eval"
         try:
             with engine.serving_turns() as llm:
                 sampler = ColocatedTurnSampler(
                     llm, lora_request=engine.llm.lora_request, sampling_params=engine.turn_sampling_params
                 )
                 limits = ContinuationLimits(
-                    max_completion_length=self.max_completion_length,
+                    max_completion_length=self.trainer.max_completion_length,
                     max_model_len=llm.llm_engine.model_config.max_model_len,
-                    max_tool_calling_iterations=self.max_tool_calling_iterations,
-                    max_turn_tokens=option(self.args, "max_turn_tokens"),
+                    max_tool_calling_iterations=self.trainer.max_tool_calling_iterations,
+                    max_turn_tokens=option(self.trainer.args, "max_turn_tokens"),
                 )
                 states = _run_blocking(
                     continue_trajectories(
                         states,
                         runners,
-                        [self._trajectory_seed(i, mode) for i in range(len(states))],
+                        [self.trajectory_seed(i, mode) for i in range(len(states))],
                         sampler=sampler,
-                        suffix_ids=self._get_tool_suffix_ids,
+                        suffix_ids=self.trainer._get_tool_suffix_ids,
                         parse=self._parse_turn,
                         limits=limits,
                         stats=stats,
                         fit_tool_message=self._tool_response_cap(limits),
-                        prefix_mismatch_at=self._template_prefix_check(self.processing_class),
-                        prefix_mismatch=option(self.args, "prefix_mismatch"),
+                        prefix_mismatch_at=self.template_prefix_check(self.trainer.processing_class),
+                        prefix_mismatch=option(self.trainer.args, "prefix_mismatch"),
                     )
                 )
         finally:
             executor.shutdown(wait=False, cancel_futures=True)  # a timed-out synchronous tool's thread runs on
-        self._record_tool_loop(stats, states, sampler.max_in_flight, engine.pop_metrics(), mode)
+        self.record(stats, states, sampler.max_in_flight, engine.pop_metrics(), mode)
         return (
             [state.tool_mask for state in states],
             [state.completion for state in states],
@@ -123,17 +135,17 @@ class ConcurrentToolLoopMixin:
 
     def _tool_response_cap(self, limits: ContinuationLimits):
         """``max_tool_response_tokens`` as a function of a tool message (None: no cap)."""
-        if option(self.args, "max_tool_response_tokens") is None:
+        if option(self.trainer.args, "max_tool_response_tokens") is None:
             return None
         budget = TurnBudget(
             max_completion_length=limits.max_completion_length,
             max_model_len=limits.max_model_len,
-            max_tool_response_tokens=option(self.args, "max_tool_response_tokens"),
-            tool_response_overflow=option(self.args, "tool_response_overflow"),
+            max_tool_response_tokens=option(self.trainer.args, "max_tool_response_tokens"),
+            tool_response_overflow=option(self.trainer.args, "tool_response_overflow"),
         )
-        return lambda message: budget.fit_tool_message(message, trl_state.tokenizer(self))
+        return lambda message: budget.fit_tool_message(message, trl_state.tokenizer(self.trainer))
 
-    def _template_prefix_check(self, processing_class):
+    def template_prefix_check(self, processing_class):
         """``prefix_mismatch_at(conversation, held ids, tools)`` on ``processing_class``: where the held ids stop
         being a prefix of the chat template's rendering of the conversation, rendered as TRL renders prompts (its
         chat template and kwargs, the rollout's tools), with the next assistant header; None if they are one."""
@@ -142,11 +154,11 @@ class ConcurrentToolLoopMixin:
             rendered = processing_class.apply_chat_template(
                 conversation,
                 tools=tools or None,  # TRL's `or None`
-                chat_template=self.chat_template,
+                chat_template=self.trainer.chat_template,
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=False,
-                **self.chat_template_kwargs,
+                **self.trainer.chat_template_kwargs,
             )
             if isinstance(rendered, dict) or hasattr(rendered, "input_ids"):  # a BatchEncoding
                 rendered = rendered["input_ids"]
@@ -159,40 +171,41 @@ class ConcurrentToolLoopMixin:
 
     def _lockstep_reason(self, images, multimodal_fields) -> str | None:
         """Why this rollout's tool turns run in TRL's loop, or None for the concurrent one."""
-        if option(self.args, "tool_scheduling") == "lockstep":
+        if option(self.trainer.args, "tool_scheduling") == "lockstep":
             return "tool_scheduling='lockstep'"
-        engine = self._rollout_engine()
+        engine = self.trainer._rollout_engine()
         if engine is None:
             return "the concurrent loop needs trlx_scale's colocated vLLM engine (use_vllm=True, vllm_mode='colocate')"
         if engine.tensor_parallel_size > 1:
             return "a tensor-parallel engine's ranks sample every request together"
-        if images is not None or multimodal_fields or trl_state.is_vlm(self):
+        if images is not None or multimodal_fields or trl_state.is_vlm(self.trainer):
             return "image inputs"
         return None
 
     def _tools_of_rollouts(self, count: int) -> list:
         """The tools each rollout's prompt was rendered with (what ``parse_response`` needs), as TRL picks them."""
-        if self.environment_factories is not None:
-            return [trl_state.environment_tool_schemas(self, name) for name in trl_state.batch_environments(self)]
-        return [self.tools] * count
+        if self.trainer.environment_factories is not None:
+            return [
+                trl_state.environment_tool_schemas(self.trainer, name)
+                for name in trl_state.batch_environments(self.trainer)
+            ]
+        return [self.trainer.tools] * count
 
     def _parse_turn(self, ids: list[int], held: list[int], tools: list) -> dict:
         """A later turn's message, parsed as TRL's loop parses it (``held``: the ids the turn continued)."""
-        return parse_response(trl_state.tokenizer(self), ids, prefix=held, tools=tools)
+        return parse_response(trl_state.tokenizer(self.trainer), ids, prefix=held, tools=tools)
 
-    def _trajectory_seed(self, index: int, mode: str) -> int:
+    def trajectory_seed(self, index: int, mode: str) -> int:
         """A trajectory's seed, from the run's seed, the rank, the step and its index: a resumed run samples the
         later turns the uninterrupted one sampled."""
-        key = f"{self.args.seed}|{self.accelerator.process_index}|{self.state.global_step}|{mode}|{index}"
+        key = f"{self.trainer.args.seed}|{self.trainer.accelerator.process_index}|{self.trainer.state.global_step}|{mode}|{index}"
         return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
 
-    def _record_tool_loop(
-        self, stats: ToolStats, states, max_in_flight: int | None, engine_metrics: dict, mode: str
-    ) -> None:
+    def record(self, stats: ToolStats, states, max_in_flight: int | None, engine_metrics: dict, mode: str) -> None:
         """The ``tools/*`` and ``agents/*`` metrics of a rollout's trajectories (``states``: anything with their
         ``tool_rounds``, ``truncated_tool_responses``, ``prefix_mismatches`` and ``stop_reason``); ``max_in_flight``
         None: not measured."""
-        metrics = trl_state.metrics(self, mode)
+        metrics = trl_state.metrics(self.trainer, mode)
         for name, value in stats.as_metrics().items():
             if name != "tools/failure_frequency":  # TRL logs its own, from the counts this loop returns
                 metrics[name].append(value)

@@ -77,7 +77,7 @@ class RolloutWindowCheckpoint:
             return
         # The window is the one the checkpoint's version admits once it is served; a preemption waits for the update
         # at most what is left of its grace period (one still landing then: its groups are sampled again on resume).
-        since = trainer._seconds_since_preemption()
+        since = trainer.checkpoints.seconds_since_preemption()
         engine.finish_delivery(None if since is None else max(0.0, trainer.args.preemption_grace_period - since))
         groups, oldest = self._checkpoint_window(engine.producer)
         settings = self.window_settings(trainer._schedule.groups_per_version, engine.producer.next_index, oldest)
@@ -91,7 +91,7 @@ class RolloutWindowCheckpoint:
         schedules must agree): the resumed run samples those groups again, seeded as before, from the checkpoint's
         weights, and the requests in flight are cancelled when training stops."""
         trainer = self.trainer
-        since = trainer._seconds_since_preemption()
+        since = trainer.checkpoints.seconds_since_preemption()
         what = "waiting for the rollout window of the checkpoint"
         if since is None:
             with failing_together(trainer.accelerator, what):
@@ -100,7 +100,7 @@ class RolloutWindowCheckpoint:
         with failing_together(trainer.accelerator, what):
             groups = producer.admitted_groups(timeout=grace, partial=True)
             missing = producer.admitted_count() - len(groups)
-        if not trainer._any_rank(missing > 0):
+        if not trainer.checkpoints.any_rank(missing > 0):
             return groups, trainer._schedule.oldest_version
         logger.warning(
             "Preempted: %d of this rank's groups were still in flight after the %.0f s grace period "

@@ -23,7 +23,7 @@ from ..rollout.carried_values import ServedCompletionIds
 
 
 class AsyncGymRolloutMixin:
-    """Part of ``AsyncGRPOTrainer`` (see the module docstring); needs ``GymRolloutMixin``'s parser and budget."""
+    """Part of ``AsyncGRPOTrainer`` (see the module docstring); its parser and budget are the colocated one's (``gym_rollout``)."""
 
     _gym_rollout_reads_rows = False  # the producer's episodes reset their environments from the rows themselves
 
@@ -47,8 +47,8 @@ class AsyncGymRolloutMixin:
             client,
             self.rollout_func,
             renderer=ObservationRenderer(tokenizer, chat_template=self.chat_template),
-            parse=self._gym_turn_parser(tokenizer),
-            budget=self._gym_budget(context),
+            parse=self.gym_rollout.turn_parser(tokenizer),
+            budget=self.gym_rollout.budget(context),
             tokenizer=tokenizer,
             prefix_mismatch=option(self.args, "prefix_mismatch"),
         )

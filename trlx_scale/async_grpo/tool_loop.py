@@ -52,7 +52,7 @@ from ..rollout.carried_values import ServedCompletionIds, groups_of
 
 
 class AsyncToolLoopMixin:
-    """Part of ``AsyncGRPOTrainer`` (see the module docstring); needs ``ConcurrentToolLoopMixin``'s metrics."""
+    """Part of ``AsyncGRPOTrainer`` (see the module docstring); its metrics are the tool loop's (``tool_loop.record``)."""
 
     def _check_async_tools(self) -> None:
         """At construction: what this trainer cannot do with tools, refused by name."""
@@ -105,7 +105,7 @@ class AsyncToolLoopMixin:
             tool_timeout=option(self.args, "tool_timeout"),
             executor=self._tool_executor,
             fit_tool_message=fit,
-            prefix_mismatch_at=self._template_prefix_check(tokenizer),
+            prefix_mismatch_at=self.tool_loop.template_prefix_check(tokenizer),
             prefix_mismatch=option(self.args, "prefix_mismatch"),
         )
 
@@ -203,7 +203,7 @@ class AsyncToolLoopMixin:
 
     def _resets_trl_environments(self) -> bool:
         # Training rollouts are the producer's, with environments of its own reset off the trainer's thread: TRL's
-        # instances go unused, so they are not reset (EnvironmentResetMixin).
+        # instances go unused, so they are not reset (agents.environment_resets).
         return not self.model.training
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
@@ -219,7 +219,7 @@ class AsyncToolLoopMixin:
         for group in groups:
             stats.merge(tool_stats(group.extras))
         summaries = [summary for group in groups for summary in trajectory_summaries(group.extras)]
-        self._record_tool_loop(stats, summaries, None, {}, "train")
+        self.tool_loop.record(stats, summaries, None, {}, "train")
         # Full weights: a reload between two turns of a trajectory (the later ones sampled by the newer version).
         crossed = [len(set(summary.turn_versions)) > 1 for summary in summaries]
         trl_state.metrics(self, "train")["async/trajectories_across_versions_frac"].append(

@@ -50,6 +50,7 @@ from accelerate.utils import gather
 
 from ..agents.gym_rollout import GymRollout
 from ..compat import trl_trainer_state as trl_state
+from ..generation.colocated_engine_setup import check_vllm_only_options
 from ..generation.server_generation import ServerGeneration
 from ..grpo.trainer import GRPOTrainer
 from ..rollout.batch import RolloutBatch
@@ -159,7 +160,7 @@ class AsyncGRPOTrainer(
         )
         self.args.use_vllm = True
         self.use_vllm = True
-        self._check_vllm_only_options()
+        check_vllm_only_options(self)
         self._check_async_tools()
         self._check_async_gym()
         # TRL's list, with GRPOTrainer's guard around each synchronous function (reward_errors, non-finite rewards),

@@ -12,8 +12,8 @@ What it adds:
 - ``online``: each step, the current policy samples completions for the batch's prompts through the colocated engine
   (LoRA-only sync, sleep/wake), ``reward_funcs`` rank them, and DPO trains on the (best, worst) pairs.
 
-Where the parts live: the engine and the reference log-probs it scores in ``DPOEngineMixin``, the online rounds in
-``OnlineDPOMixin``; this file holds the constructor, the loss (packed rows) and the checkpoint's token count.
+Where the parts live: the engine and the reference log-probs it scores in ``dpo.reference_engine`` (built and called
+here), the online rounds in ``dpo.online`` (``OnlineDPO``); this file holds the constructor, the loss (packed rows) and the checkpoint's token count.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from ..options import option
 from ..passes.logprob_pass import PassResult
 from ..passes.packed_model_call import PackedModelCall
 from ..passes.packed_rows import PackedRows
-from ..passes.padding_free_choice import PaddingFreeMixin
 from ..reliability.input_checks import (
     DPO_COLUMNS,
     ONLINE_DPO_COLUMNS,
@@ -49,11 +48,12 @@ from ..reliability.input_checks import (
     check_train_dataset,
 )
 from ..reliability.reward_guard import guard_reward_functions
+from ..rollout.collector import RolloutSamples
 from ..trainer_features import TrainerFeatures
 from .config import DPOConfig
-from .online import OnlineDPOMixin, keep_examples
+from .online import OnlineDPO, keep_examples
 from .online_pair_balance import check_multi_process_online_loss
-from .reference_engine import DPOEngineMixin
+from .reference_engine import build_dpo_engine, vllm_reference_logps
 
 if TYPE_CHECKING:
     from datasets import DatasetDict, IterableDatasetDict
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 
-class DPOTrainer(OnlineDPOMixin, DPOEngineMixin, PaddingFreeMixin, TrainerFeatures, TRLDPOTrainer):
+class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
     """Direct Preference Optimization, as [`trl.DPOTrainer`], with trlx_scale's options.
 
     The constructor takes TRL's arguments in TRL's order (a contract test compares the signatures) and one more,
@@ -112,8 +112,8 @@ class DPOTrainer(OnlineDPOMixin, DPOEngineMixin, PaddingFreeMixin, TrainerFeatur
         check_dataset_columns(eval_dataset, DPO_COLUMNS, type(self).__name__, "eval_dataset")
         self._vllm_ref = option(args, "vllm_ref_log_probs")
         self._engine: RolloutEngine | None = None  # built on first use (TRL's __init__ may need it)
-        # Online DPO's loss rescaling of the micro-batch in progress (set and reset around it: _training_step).
-        self._online_loss_scale, self._online_loss_offset = 1.0, 0.0
+        # Online DPO's rounds (TRL's __init__ prepares the dataset through it already).
+        self.online = OnlineDPO(self)
         reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs or [])
         if self._online and not reward_funcs:
             raise ValueError("online=True ranks sampled completions with reward_funcs: pass reward_funcs=[...].")
@@ -166,23 +166,79 @@ class DPOTrainer(OnlineDPOMixin, DPOEngineMixin, PaddingFreeMixin, TrainerFeatur
                 pad_to_multiple_of=args.pad_to_multiple_of,
             )
 
+    # ---------------------------------------------------------------- online rounds (dpo.online)
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if not self._online:
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        return self.online.prepare_dataset(dataset, dataset_name)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        finally:
+            self.online.close()
+
+    def _training_step(self, model, inputs, num_items_in_batch=None):
+        if not self._online:
+            return super()._training_step(model, inputs, num_items_in_batch)
+        return self.online.training_step(super()._training_step, model, inputs, num_items_in_batch)
+
+    def _rollout_prompts(self, rows: list[dict[str, Any]]) -> list:
+        """The collector's prompt stage: the rows' prompts as they are."""
+        return [row["prompt"] for row in rows]
+
+    def _sample_rollout(self, prompts: list, rows: list[dict[str, Any]]) -> RolloutSamples:
+        return self.online.sample(prompts, rows)
+
+    def _rollout_rewards(self, rows: list[dict[str, Any]], prompts: list, samples: RolloutSamples) -> torch.Tensor:
+        return self.online.rewards(rows, prompts, samples)
+
+    # ---------------------------------------------------------------- the engine (reference scoring, online rounds)
+    def _colocated_engine(self) -> RolloutEngine:
+        if self._engine is None:
+            self._engine = build_dpo_engine(self)
+        return self._engine
+
+    def _policy_engine(self) -> RolloutEngine | None:
+        return self._engine
+
+    # What the memory planner needs to know of this run (trlx_scale.planning.trainer_memory).
+    def _planner_algorithm(self) -> str:
+        return "online-dpo" if self._online else "dpo"
+
+    def _planner_engine(self):
+        return self._engine
+
+    def _planner_num_generations(self) -> int:
+        return self.args.online_num_generations if self._online else 2
+
+    def _planner_extra_roles(self) -> dict:
+        return {"reference": self.ref_model is not None}
+
+    def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
+        # Once, before training: logged as time/ref_scoring with the first step's metrics.
+        with self.phase_timer.phase("ref_scoring", absorb=True):
+            if not self._vllm_ref:
+                return super()._precompute_ref_logps(dataset, name, batch_size)
+            return vllm_reference_logps(self, dataset, name)
+
     def _compute_loss(self, model, inputs, return_outputs):
         training = torch.is_grad_enabled()
         if training:  # a training pass: the policy's forward+backward, the reference's forward
             # Each row's real tokens (the profiler counts what a pass must cover, whatever its layout).
             row_lengths = inputs["attention_mask"].sum(dim=-1)
-            self._count_logprob_pass(row_lengths, training=True)
+            self.profiler.count_logprob_pass(row_lengths, training=True)
             if not self.precompute_ref_logps:
-                self._count_logprob_pass(row_lengths, training=False)
-        if self._padding_free_enabled(model) and "input_ids" in inputs:
+                self.profiler.count_logprob_pass(row_lengths, training=False)
+        if self.pass_layout.padding_free_enabled(model) and "input_ids" in inputs:
             # TRL's policy forward over the chosen and rejected rows runs on packed rows (passes.packed_model_call).
             model = PackedModelCall(
                 model,
-                agree_max=self._agree_max,
+                agree_max=self.pass_layout.agree_max,
                 max_tokens=option(self.args, "max_tokens_per_microbatch"),
                 on_pass=self._record_packed_rows if training else None,
-                coefficient=self._attention_cost_coefficient(),
-                recompute=self._recompute_forwards(),
+                coefficient=self.pass_layout.attention_cost_coefficient(),
+                recompute=self.pass_layout.recompute_forwards(),
             )
         elif training and "input_ids" in inputs:
             ids, mask = inputs["input_ids"], inputs["attention_mask"]
@@ -195,18 +251,18 @@ class DPOTrainer(OnlineDPOMixin, DPOEngineMixin, PaddingFreeMixin, TrainerFeatur
                 padding_tokens=float(ids.numel() - mask.sum()),
                 row_tokens=ids.size(1),
             )
-            self._record_layout(padded)
+            self.pass_layout.record_layout(padded)
         result = super()._compute_loss(model, inputs, return_outputs)
-        scale = self._online_loss_scale
+        scale = self.online.loss_scale
         if scale == 1.0:
             return result
-        offset = self._online_loss_offset  # the tie pairs' constant: no gradient, not logged
+        offset = self.online.loss_offset  # the tie pairs' constant: no gradient, not logged
         if return_outputs:
             return result[0] * scale - offset, result[1]
         return result * scale - offset
 
     def _record_packed_rows(self, rows: PackedRows, recomputed_forwards: int) -> None:
-        self._record_layout(
+        self.pass_layout.record_layout(
             PassResult(
                 None,
                 None,

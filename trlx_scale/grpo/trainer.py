@@ -10,13 +10,14 @@ are listed in docs/defaults.md). The rollout path:
 
 Where each part lives (mixins placed before TRL's class in the bases):
 
-- ``ColocatedEngineMixin``: trlx_scale's vLLM engine in the training processes, and TRL's single-turn generation on it;
-- ``ConcurrentToolLoopMixin``: tool calling (``tools`` / ``environment_factory``), TRL's first turn, then each
-  trajectory at its own pace (``tool_scheduling``); ``GymRolloutMixin``: gym-style episodes (``GymRollout``);
-- ``LogProbPassesMixin``: the log-prob passes; ``LossPassCorrectionMixin``: vLLM's correction from the loss pass and
-  GSPO-token's weights;
+- ``generation.colocated_engine_setup``: trlx_scale's vLLM engine in the training processes, and TRL's single-turn
+  generation on it (``_generate_single_turn``);
+- ``tool_loop`` (``agents.colocated_tool_loop.ColocatedToolLoop``): tool calling (``tools`` / ``environment_factory``),
+  TRL's first turn, then each trajectory at its own pace (``tool_scheduling``); ``gym_rollout`` (``agents.colocated_gym_rollout``): gym-style episodes (``GymRollout``);
+- ``logprob_passes`` (``grpo.logprob_passes.LogProbPasses``): the pass each batch runs; vLLM's correction from the loss
+  pass (``grpo.loss_pass_correction``) and GSPO-token's weights at the seams here;
 - ``RolloutBufferPart`` (a checkpoint part): a checkpoint inside a rollout's mini-batches resumes inside it;
-- ``RankBalanceMixin``, ``PaddingFreeMixin``: samples dealt to ranks by cost, packed rows;
+- ``rank_balance`` (``rollout.rank_balance_step.RankBalance``): samples dealt to ranks by cost;
 - ``TrainerFeatures`` (``trainer_features.py``): the cross-cutting features (profiler, non-finite guard, policy
   version, atomic checkpoints, Hub push, planned memory, fp32 masters).
 
@@ -27,6 +28,7 @@ functions concurrently, guarded; TRL's own loop where a reward model is among th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,27 +38,31 @@ from accelerate.logging import get_logger
 from accelerate.utils import gather
 from trl import GRPOTrainer as TRLGRPOTrainer
 
-from ..agents.colocated_gym_rollout import GymRolloutMixin
-from ..agents.colocated_tool_loop import ConcurrentToolLoopMixin
-from ..agents.environment_resets import EnvironmentResetMixin
+from ..agents.colocated_gym_rollout import ColocatedGymRollout
+from ..agents.colocated_tool_loop import ColocatedToolLoop
+from ..agents.environment_resets import rollout_prompts
 from ..agents.gym_rollout import GymRollout
 from ..compat import trl_trainer_state as trl_state
-from ..generation.colocated_engine_setup import ColocatedEngineMixin
+from ..compat.trl_loss_pass import loss_pass_batch, loss_pass_of
+from ..generation.colocated_engine_setup import build_colocated_engine, check_vllm_only_options, generate_single_turn
 from ..generation.cpu_environment import configure_vllm_cpu_environment
+from ..generation.engine import RolloutEngine
 from ..hub.secrets import check_tracker_uploads
+from ..losses.policy_losses import log_importance_weights
 from ..options import option
-from ..passes.padding_free_choice import PaddingFreeMixin
+from ..passes import PassRequest
 from ..reliability.input_checks import GRPO_COLUMNS, check_dataset_columns, check_launch_matches, check_train_dataset
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from ..reliability.rollout_buffer_state import RolloutBufferPart
 from ..rollout.batch import RolloutBatch
+from ..rollout.carried_values import RolloutPrompts
 from ..rollout.collector import RolloutCollector, RolloutSamples
-from ..rollout.rank_balance_step import RankBalanceMixin
+from ..rollout.rank_balance_step import RankBalance
 from ..rollout.reward_scoring import TRL_REWARD_INPUTS, rollout_reward_scorer
 from ..trainer_features import TrainerFeatures
 from .config import GRPOConfig
-from .logprob_passes import LogProbPassesMixin
-from .loss_pass_correction import LossPassCorrectionMixin
+from .logprob_passes import LogProbPasses
+from .loss_pass_correction import deferred_correction
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -73,14 +79,6 @@ trl_grpo_logger = get_logger("trl.trainer.grpo_trainer")  # the logger TRL's GRP
 
 
 class GRPOTrainer(
-    GymRolloutMixin,
-    EnvironmentResetMixin,
-    ConcurrentToolLoopMixin,
-    LogProbPassesMixin,
-    LossPassCorrectionMixin,
-    ColocatedEngineMixin,
-    RankBalanceMixin,
-    PaddingFreeMixin,
     TrainerFeatures,
     TRLGRPOTrainer,
 ):
@@ -92,6 +90,9 @@ class GRPOTrainer(
     """
 
     _tag_names = ["trl", "grpo", "trlx-scale"]
+    # Whether this trainer's ``_gym_rollout`` resets environments from the rows (AsyncGRPOTrainer's producer does
+    # that itself, so there the rows TRL would deep-copy go unread).
+    _gym_rollout_reads_rows = True
 
     def __init__(
         self,
@@ -120,7 +121,7 @@ class GRPOTrainer(
             configure_vllm_cpu_environment(option(args, "vllm_cpu_kvcache_space"))
             # TRL creates its own engine eagerly in __init__ and two engines must never start: TRL is handed a copy
             # of the config that says use_vllm=False (the caller's object is never changed), and our engine is
-            # built right after (see _build_colocated_engine).
+            # built right after (see build_colocated_engine).
             args = copy.copy(args)
             args.use_vllm = False
         check_train_dataset(train_dataset)
@@ -156,6 +157,10 @@ class GRPOTrainer(
         )
         # TRL's reward functions, environments' get_reward included, as built by its constructor.
         self.checkpoint_parts.register("rollout_buffer", RolloutBufferPart(self))
+        self.rank_balance = RankBalance(self)
+        self.logprob_passes = LogProbPasses(self)
+        self.tool_loop = ColocatedToolLoop(self)
+        self.gym_rollout = ColocatedGymRollout(self)
         self._rollout_scorer = rollout_reward_scorer(self.reward_funcs, option(self.args, "reward_scoring"))
         # GSPO-token runs through TRL's "token" branch: its weights come from the loss pass's log-probs, shifted in
         # _postprocess_loss_logps (TRL reads this attribute only in _compute_loss; pinned by a contract test).
@@ -165,8 +170,8 @@ class GRPOTrainer(
         if colocate:
             self.args.use_vllm = True  # our copy: this run does generate with vLLM
             self.use_vllm = True
-            self._check_vllm_only_options()
-            self.vllm_generation = self._build_colocated_engine()
+            check_vllm_only_options(self)
+            self.vllm_generation = build_colocated_engine(self)
             # TRL's _generate_single_turn reads its own tag before calling sync_weights; the engine's sync is the
             # version comparison (ensure_version), so TRL's tag only saves a call per micro-batch.
             trl_state.force_weight_sync(self)
@@ -194,6 +199,27 @@ class GRPOTrainer(
                 rewards_per_func = self._score_rollout(inputs, prompts, completions, completion_ids_list)
             self._report_reward_errors()
         return rewards_per_func
+
+    def _rollout_prompts(self, rows: list[dict[str, Any]]) -> list:
+        """The collector's prompt stage: the rows' prompts, with their environments drawn and reset
+        (``agents.environment_resets``)."""
+        return rollout_prompts(self, rows)
+
+    def _resets_trl_environments(self) -> bool:
+        """Seam: whether TRL's environment instances are reset for this rollout (False: the rollout does not use
+        them: the asynchronous producer resets its own)."""
+        return True
+
+    def _sample_rollout(self, prompts: list, rows: list[dict[str, Any]]) -> RolloutSamples:
+        """The collector's sampling stage: TRL's generation driver ``_generate`` on the rollout's prompts, which carry
+        their rows to a ``GymRollout`` (only there: TRL deep-copies the list it is given, rows included)."""
+        if isinstance(self.rollout_func, GymRollout) and self._gym_rollout_reads_rows:
+            prompts = RolloutPrompts(prompts, rows)
+        return RolloutSamples(*self._generate(prompts))
+
+    def _gym_rollout(self, gym: GymRollout, prompts: list) -> dict[str, list]:
+        """What ``GymRollout`` (TRL's ``rollout_func``) calls: its episodes on this trainer's engine."""
+        return self.gym_rollout.run(gym, prompts)
 
     def _rollout_rewards(self, rows, prompts, samples: RolloutSamples) -> torch.Tensor:
         """The collector's reward stage: (B_all, F), every process's rows (TRL's ``_calculate_rewards``: the seam a
@@ -240,6 +266,136 @@ class GRPOTrainer(
         if report.retries:
             metrics["reliability/reward_retries"].append(float(report.retries))
 
+    # ---------------------------------------------------------------- generation
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        return generate_single_turn(
+            self,
+            super()._generate_single_turn,
+            prompt_ids,
+            images,
+            multimodal_fields,
+            num_generations,
+            has_tool_images=has_tool_images,
+        )
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        # Each trajectory at its own pace (tool_scheduling="concurrent"), else TRL's lockstep loop.
+        return self.tool_loop.run(
+            super()._tool_call_loop,
+            prompts,
+            prompt_ids,
+            completion_ids,
+            completions,
+            logprobs,
+            images,
+            multimodal_fields,
+        )
+
+    def _rollout_engine(self) -> RolloutEngine | None:
+        """trlx_scale's engine, when this run generates with it (not with TRL's transformers path or server)."""
+        engine = getattr(self, "vllm_generation", None)
+        return engine if isinstance(engine, RolloutEngine) else None
+
+    def _policy_engine(self) -> RolloutEngine | None:
+        return self._rollout_engine()
+
+    # ---------------------------------------------------------------- the log-prob passes and the loss
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        pixel_values=None,
+        image_grid_thw=None,
+        num_images=None,
+        pixel_attention_mask=None,
+        spatial_shapes=None,
+        num_tiles=None,
+        image_sizes=None,
+        token_type_ids=None,
+        mm_token_type_ids=None,
+        image_position_ids=None,
+    ):
+        request = PassRequest(
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size,
+            compute_entropy,
+            compute_aux_loss,
+            extra_inputs=dict(
+                pixel_values=pixel_values,
+                image_grid_thw=image_grid_thw,
+                num_images=num_images,
+                pixel_attention_mask=pixel_attention_mask,
+                spatial_shapes=spatial_shapes,
+                num_tiles=num_tiles,
+                image_sizes=image_sizes,
+                token_type_ids=token_type_ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_position_ids=image_position_ids,
+            ),
+        )
+        training = torch.is_grad_enabled()
+        # A no-grad pass is a rollout's old-policy or reference pass (the loss pass's time is its own phase).
+        name = "ref_logprobs" if not training and self.logprob_passes.is_reference_pass(model) else "old_logprobs"
+        with self.phase_timer.phase(name) if not training else contextlib.nullcontext():
+            passes = self.logprob_passes.choose(model, request, super()._get_per_token_logps_and_entropies)
+            result = passes.run(model, request)
+        self.logprob_passes.record(result, training)
+        logps = result.logps
+        batch = loss_pass_batch()  # the loss pass's micro-batch, inside TRL's _compute_loss
+        if batch is not None:
+            self._deferred_correction(logps, batch)  # from the raw log-probs, before any seam
+            logps = self._postprocess_loss_logps(logps, batch)
+        return logps, result.entropies, result.aux_loss
+
+    def _compute_loss(self, model, inputs):
+        # TRL computes the loss pass's log-probs inside _compute_loss and forms the ratios inline; the batch is bound
+        # for this call so that the pass's seams (_deferred_correction, _postprocess_loss_logps) see it.
+        with loss_pass_of(inputs):
+            return super()._compute_loss(model, inputs)
+
+    def _postprocess_loss_logps(self, logps: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """Seam: the loss pass's per-token log-probs, before TRL turns them into importance ratios.
+
+        GSPO-token: TRL's token branch computes `per_token_logps - old_per_token_logps` (pinned by a contract test);
+        returning `old + w` makes that difference GSPO-token's log weight `w` (losses.log_importance_weights). The
+        config allows this level only with loss_type="grpo", beta=0 and no off-policy mask, where the log-probs feed
+        nothing but that difference.
+        """
+        if not self.uses_sequence_token_ratios:
+            return logps
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        return old + log_importance_weights(logps, old, mask, "sequence_token")
+
+    def _defers_old_logprobs(self) -> bool:
+        """Seam: whether vLLM's importance-sampling correction comes from the loss pass instead of a separate
+        old-policy pass in the rollout (``old_logprobs_from_loss_pass``). Valid when the loss pass runs with the weights that
+        generated the batch: TRL's own alignment condition (it then takes the loss pass's detached log-probs as the
+        old ones itself, without vLLM). PPO needs its old log-probs in the rollout (KL rewards) and overrides this."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+            return False
+        if not option(self.args, "old_logprobs_from_loss_pass"):
+            return False
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every == 0
+
+    def _deferred_correction(self, logps: torch.Tensor, inputs: dict) -> None:
+        """Seam: vLLM's importance-sampling correction from the loss pass (``grpo.loss_pass_correction``)."""
+        deferred_correction(self, logps, inputs)
+
+    def _sequence_weight_normalisation(self) -> str:
+        """Seam: how a sequence mode's correction weight combines its tokens (TRL's product here; the asynchronous
+        trainer's ``sequence_behaviour_weight``)."""
+        return "sum"
+
     def _generate_and_score_completions(self, inputs):
         """TRL's hook for a rollout: trlx_scale's collector (``rollout.collector``) builds the ``RolloutBatch``,
         the algorithm adds its quantities (``_finish_rollout``), and TRL's loss gets it as TRL's dict."""
@@ -250,7 +406,7 @@ class GRPOTrainer(
             batch = RolloutCollector(self).collect(inputs, version)
         batch = self._finish_rollout(batch)
         # Then the samples are dealt to the ranks by cost where that leaves the loss unchanged (balance_ranks).
-        return self._balance_ranks(batch.to_trl())
+        return self.rank_balance.balance(batch.to_trl())
 
     def _rollout_has_images(self, inputs) -> bool:
         """Rows with images, or a vision-language model's tools (whose results may carry images): TRL's rollout."""
@@ -295,6 +451,10 @@ class GRPOTrainer(
         """Seam: an algorithm adds its own per-rollout quantities to the batch TRL scored (PPO: KL-penalized rewards,
         values, GAE advantages; the RLOO example of docs/contributing.md: leave-one-out advantages)."""
         return batch
+
+    def _rank_balance_algorithm_blocker(self) -> str | None:
+        """Seam: an algorithm whose loss depends on which rank holds a sample refuses the move (PPO)."""
+        return None
 
     def _planner_extra_roles(self) -> dict:
         return {"reference": self.beta != 0.0}  # TRL builds a reference model only for a KL term

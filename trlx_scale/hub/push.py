@@ -20,9 +20,10 @@ import copy
 import os
 import shutil
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from transformers.utils import logging
 
@@ -95,58 +96,73 @@ def with_retries(call: Callable[[], T], what: str, retries: int, backoff_s: floa
     raise AssertionError("unreachable")
 
 
-class HubPushMixin:
-    """Mixed into a trainer ahead of TRL's class. Reads ``push_merged``, ``hub_push_retries`` and
-    ``hub_push_backoff_s`` from the config (defaults when it is a plain TRL config)."""
+class HubPush:
+    """The trainer's Hub push (``trlx_scale.trainer_features`` builds it; its overrides of transformers' Hub methods
+    delegate here). Reads ``push_merged``, ``hub_push_retries`` and ``hub_push_backoff_s`` from the config (defaults
+    when it is a plain TRL config)."""
+
+    def __init__(self, trainer: Any):
+        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
+
+    @property
+    def trainer(self) -> Any:
+        return self._trainer()
 
     def _hub_api(self):
         from huggingface_hub import HfApi
 
-        return HfApi(endpoint=hub_endpoint(), token=self.args.hub_token)
+        return HfApi(endpoint=hub_endpoint(), token=self.trainer.args.hub_token)
 
-    def init_hf_repo(self, token: str | None = None) -> None:
-        if not self.is_world_process_zero():
+    def create_repo(self, token: str | None = None) -> None:
+        """transformers' ``init_hf_repo``, retried."""
+        if not self.trainer.is_world_process_zero():
             return
-        name = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+        name = self.trainer.args.hub_model_id or os.path.basename(os.path.abspath(self.trainer.args.output_dir))
         api = self._hub_api()
         repo = with_retries(
             lambda: api.create_repo(
-                name, token=token or self.args.hub_token, private=self.args.hub_private_repo, exist_ok=True
+                name,
+                token=token or self.trainer.args.hub_token,
+                private=self.trainer.args.hub_private_repo,
+                exist_ok=True,
             ),
             f"creating the Hub repo {name}",
-            option(self.args, "hub_push_retries"),
-            option(self.args, "hub_push_backoff_s"),
+            option(self.trainer.args, "hub_push_retries"),
+            option(self.trainer.args, "hub_push_backoff_s"),
         )
-        self.hub_model_id = repo.repo_id
-        self.push_in_progress = None
+        self.trainer.hub_model_id = repo.repo_id
+        self.trainer.push_in_progress = None
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        super()._save(output_dir, state_dict=state_dict)
-        if self.args.should_save:  # transformers' _save has just pickled the whole args, tokens included
-            write_training_args(self.args, output_dir if output_dir is not None else self.args.output_dir)
+    def after_save(self, output_dir: str | None) -> None:
+        """After transformers' ``_save``: the arguments written again, without their tokens."""
+        if self.trainer.args.should_save:  # transformers' _save has just pickled the whole args, tokens included
+            write_training_args(
+                self.trainer.args, output_dir if output_dir is not None else self.trainer.args.output_dir
+            )
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if uses_sharded_fsdp_checkpoints(self) and not _internal_call:
+    def saved_consolidated(self, output_dir: str | None, internal_call: bool) -> bool:
+        """transformers' ``save_model`` for a user's call under FSDP's sharded checkpoints: the consolidated model
+        (True); False leaves the save to transformers."""
+        if uses_sharded_fsdp_checkpoints(self.trainer) and not internal_call:
             # transformers' save_model writes nothing under SHARDED_STATE_DICT; a user's save_model (and the Hub's)
             # gets the consolidated model, training checkpoints (internal calls) keep their per-rank shards.
-            self._save_consolidated(output_dir or self.args.output_dir)
-            return
-        # transformers' save_model also uploads when args.push_to_hub is set: a first, unretried upload of the whole
-        # output_dir before the run's summary and card exist, then push_to_hub uploads again. Here saving only
-        # saves; the upload is push_to_hub's, once (checkpoint uploads during training, hub_strategy, are unchanged).
-        super().save_model(output_dir, _internal_call=True)
+            self._save_consolidated(output_dir or self.trainer.args.output_dir)
+            return True
+        return False
 
-    def create_model_card(self, *args, **kwargs) -> None:
-        super().create_model_card(*args, **kwargs)  # TRL's card: the trainer, its paper, the base model, the tags
-        if not self.is_world_process_zero():
+    def append_card_section(self) -> None:
+        """After TRL's card (the trainer, its paper, the base model, the tags): trlx_scale's section."""
+        if not self.trainer.is_world_process_zero():
             return
-        path = os.path.join(self.args.output_dir, "README.md")
+        path = os.path.join(self.trainer.args.output_dir, "README.md")
         if os.path.isfile(path):
-            section = trlx_scale_card_section(self._name, self.args, self.state.log_history, self.state.global_step)
+            section = trlx_scale_card_section(
+                self.trainer._name, self.trainer.args, self.trainer.state.log_history, self.trainer.state.global_step
+            )
             with open(path, "a") as handle:
                 handle.write("\n" + section)
 
-    def push_to_hub(
+    def push(
         self,
         commit_message: str | None = "End of training",
         blocking: bool = True,
@@ -154,84 +170,88 @@ class HubPushMixin:
         revision: str | None = None,
         **kwargs,
     ):
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        if self.hub_model_id is None:
-            self.init_hf_repo(token=token)
-        staging = os.path.join(self.args.output_dir, STAGING_DIRECTORY)
-        if self.is_world_process_zero() and os.path.isdir(staging):
+        self.trainer.callback_handler.on_push_begin(self.trainer.args, self.trainer.state, self.trainer.control)
+        if self.trainer.hub_model_id is None:
+            self.trainer.init_hf_repo(token=token)
+        staging = os.path.join(self.trainer.args.output_dir, STAGING_DIRECTORY)
+        if self.trainer.is_world_process_zero() and os.path.isdir(staging):
             shutil.rmtree(staging)  # a previous push's leftovers
-        self.accelerator.wait_for_everyone()
+        self.trainer.accelerator.wait_for_everyone()
         self._save_for_hub(staging)  # every rank: a sharded model is gathered collectively
-        if not self.is_world_process_zero():
+        if not self.trainer.is_world_process_zero():
             return None
-        kwargs.setdefault("model_name", (self.args.hub_model_id or self.args.output_dir).rstrip("/").split("/")[-1])
-        self.create_model_card(**kwargs)
+        kwargs.setdefault(
+            "model_name", (self.trainer.args.hub_model_id or self.trainer.args.output_dir).rstrip("/").split("/")[-1]
+        )
+        self.trainer.create_model_card(**kwargs)
         self._stage_run_files(staging)
-        check_folder_has_no_secrets(staging, known_secrets(self.args, token), f"to the Hub repo {self.hub_model_id}")
-        self._finish_current_push()  # a checkpoint push still in flight lands first
+        check_folder_has_no_secrets(
+            staging, known_secrets(self.trainer.args, token), f"to the Hub repo {self.trainer.hub_model_id}"
+        )
+        self.trainer._finish_current_push()  # a checkpoint push still in flight lands first
         api = self._hub_api()
         try:
             info = with_retries(
                 lambda: api.upload_folder(
-                    repo_id=self.hub_model_id,
+                    repo_id=self.trainer.hub_model_id,
                     folder_path=staging,
                     commit_message=commit_message,
-                    token=token or self.args.hub_token,
-                    revision=revision or self.args.hub_revision,
+                    token=token or self.trainer.args.hub_token,
+                    revision=revision or self.trainer.args.hub_revision,
                 ),
-                f"uploading to {self.hub_model_id}",
-                option(self.args, "hub_push_retries"),
-                option(self.args, "hub_push_backoff_s"),
+                f"uploading to {self.trainer.hub_model_id}",
+                option(self.trainer.args, "hub_push_retries"),
+                option(self.trainer.args, "hub_push_backoff_s"),
             )
         except Exception as error:
             raise HubPushError(
-                f"Pushing to the Hub repo {self.hub_model_id} failed ({type(error).__name__}: {error}). Nothing is "
-                f"lost: the model, its card and run_summary.json are in {self.args.output_dir} (the upload's exact "
-                f"content in {staging}). Upload it later with: hf upload {self.hub_model_id} {staging}"
+                f"Pushing to the Hub repo {self.trainer.hub_model_id} failed ({type(error).__name__}: {error}). Nothing is "
+                f"lost: the model, its card and run_summary.json are in {self.trainer.args.output_dir} (the upload's exact "
+                f"content in {staging}). Upload it later with: hf upload {self.trainer.hub_model_id} {staging}"
             ) from error
         shutil.rmtree(staging, ignore_errors=True)
         return info
 
     def _save_consolidated(self, output_dir: str) -> None:
-        state = consolidated_model_state(self.model)  # collective: every rank; the state lands on rank 0 only
-        if self.accelerator.is_main_process:
-            self._save(output_dir, state_dict=state)
-        self.accelerator.wait_for_everyone()
+        state = consolidated_model_state(self.trainer.model)  # collective: every rank; the state lands on rank 0 only
+        if self.trainer.accelerator.is_main_process:
+            self.trainer._save(output_dir, state_dict=state)
+        self.trainer.accelerator.wait_for_everyone()
 
     def _save_for_hub(self, staging: str) -> None:
-        if not option(self.args, "push_merged"):
-            if uses_sharded_fsdp_checkpoints(self):
+        if not option(self.trainer.args, "push_merged"):
+            if uses_sharded_fsdp_checkpoints(self.trainer):
                 self._save_consolidated(staging)
             else:
-                self.save_model(staging, _internal_call=True)
+                self.trainer.save_model(staging, _internal_call=True)
             return
-        model = self.accelerator.unwrap_model(self.model)
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         if not hasattr(model, "merge_and_unload"):
             raise ValueError(
                 "push_merged=True merges a LoRA adapter into its base, but this model has no adapter: "
                 "set push_merged=False (full weights are pushed as they are)."
             )
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        if self.trainer.is_deepspeed_enabled or self.trainer.is_fsdp_enabled:
             raise ValueError(
                 "push_merged=True needs the whole model in one process; under DeepSpeed/FSDP push the "
                 "adapter (push_merged=False) and merge it where the base fits."
             )
-        if self.is_world_process_zero():
+        if self.trainer.is_world_process_zero():
             # A copy is merged: the trainer's model keeps its adapter (training or evaluation may go on).
             merged = copy.deepcopy(model).merge_and_unload()
             merged.save_pretrained(staging)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(staging)
+            if self.trainer.processing_class is not None:
+                self.trainer.processing_class.save_pretrained(staging)
             del merged
 
     def _stage_run_files(self, staging: str) -> None:
-        shutil.copy2(os.path.join(self.args.output_dir, "README.md"), os.path.join(staging, "README.md"))
+        shutil.copy2(os.path.join(self.trainer.args.output_dir, "README.md"), os.path.join(staging, "README.md"))
         for name in RUN_FILES:
-            path = os.path.join(self.args.output_dir, name)
+            path = os.path.join(self.trainer.args.output_dir, name)
             if os.path.isfile(path):
                 shutil.copy2(path, os.path.join(staging, name))
         for name in RUN_DIRECTORIES:
-            path = os.path.join(self.args.output_dir, name)
+            path = os.path.join(self.trainer.args.output_dir, name)
             if os.path.isdir(path):
                 shutil.copytree(path, os.path.join(staging, name), dirs_exist_ok=True)
 
@@ -239,31 +259,34 @@ class HubPushMixin:
     _checkpoint_to_push: str | None = None
     _checkpoint_upload_thread: ThreadPoolExecutor | None = None
 
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+    def note_checkpoint(self, checkpoint_folder: str) -> None:
         """transformers calls this inside ``_save_checkpoint``, before trlx_scale's own state files, the completion
-        marker and (for an asynchronous save) the shards exist: only note the folder; ``_on_checkpoint_complete``
+        marker and (for an asynchronous save) the shards exist: only note the folder; ``push_checkpoint``
         pushes it."""
         from transformers.trainer_utils import HubStrategy
 
-        if self.is_world_process_zero() and self.args.hub_strategy != HubStrategy.END:
+        if self.trainer.is_world_process_zero() and self.trainer.args.hub_strategy != HubStrategy.END:
             self._checkpoint_to_push = checkpoint_folder
 
-    def _on_checkpoint_complete(self, path: str) -> None:
+    def push_checkpoint(self, path: str) -> None:
         """A checkpoint push during training: staged without secrets (hard links), scanned and uploaded in the
         background, so neither a slow Hub nor the scan of a large checkpoint holds the ranks."""
         from transformers.trainer_utils import HubStrategy, SaveStrategy
         from transformers.utils.hub import PushInProgress
 
-        parent = getattr(super(), "_on_checkpoint_complete", None)
-        if parent is not None:
-            parent(path)
         if self._checkpoint_to_push != path:
             return
         self._checkpoint_to_push = None
-        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+        if (
+            not self.trainer.args.hub_always_push
+            and self.trainer.push_in_progress is not None
+            and not self.trainer.push_in_progress.is_done()
+        ):
             return  # as transformers: skip this one while the previous upload runs
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        staging = os.path.join(self.args.output_dir, f"{CHECKPOINT_STAGING_PREFIX}{self.state.global_step}")
+        self.trainer.callback_handler.on_push_begin(self.trainer.args, self.trainer.state, self.trainer.control)
+        staging = os.path.join(
+            self.trainer.args.output_dir, f"{CHECKPOINT_STAGING_PREFIX}{self.trainer.state.global_step}"
+        )
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
         # Under FSDP's SHARDED_STATE_DICT a checkpoint holds shards, not the model files: the push carries the
@@ -271,23 +294,23 @@ class HubPushMixin:
         for name in CHECKPOINT_MODEL_FILES + tuple(_weight_shards(path)):
             if os.path.isfile(os.path.join(path, name)):
                 _link_or_copy(os.path.join(path, name), os.path.join(staging, name))
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(staging)
-        write_training_args(self.args, staging)
-        if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
-            inside = "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else None
+        if self.trainer.processing_class is not None:
+            self.trainer.processing_class.save_pretrained(staging)
+        write_training_args(self.trainer.args, staging)
+        if self.trainer.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+            inside = "last-checkpoint" if self.trainer.args.hub_strategy == HubStrategy.CHECKPOINT else None
             target = os.path.join(staging, inside or os.path.basename(path))
             shutil.copytree(path, target, copy_function=_link_or_copy)
-        if self.args.save_strategy == SaveStrategy.STEPS:
-            message = f"Training in progress, step {self.state.global_step}"
+        if self.trainer.args.save_strategy == SaveStrategy.STEPS:
+            message = f"Training in progress, step {self.trainer.state.global_step}"
         else:
-            message = f"Training in progress, epoch {int(self.state.epoch)}"
-        secrets = known_secrets(self.args)
+            message = f"Training in progress, epoch {int(self.trainer.state.epoch)}"
+        secrets = known_secrets(self.trainer.args)
         job = self._checkpoint_uploader().submit(self._upload_staged_checkpoint, staging, message, secrets)
-        if self.push_in_progress is None or self.push_in_progress.is_done():
-            self.push_in_progress = PushInProgress([job])
+        if self.trainer.push_in_progress is None or self.trainer.push_in_progress.is_done():
+            self.trainer.push_in_progress = PushInProgress([job])
         else:
-            self.push_in_progress.jobs.append(job)
+            self.trainer.push_in_progress.jobs.append(job)
 
     def _checkpoint_uploader(self) -> ThreadPoolExecutor:
         # One background thread: checkpoint uploads go up in order, never two at once.
@@ -301,21 +324,21 @@ class HubPushMixin:
             check_folder_has_no_secrets(staging, secrets, f"a checkpoint ({message})")
             with_retries(
                 lambda: api.upload_folder(
-                    repo_id=self.hub_model_id,
+                    repo_id=self.trainer.hub_model_id,
                     folder_path=staging,
                     commit_message=message,
-                    token=self.args.hub_token,
-                    revision=self.args.hub_revision,
+                    token=self.trainer.args.hub_token,
+                    revision=self.trainer.args.hub_revision,
                 ),
-                f"uploading a checkpoint to {self.hub_model_id}",
-                option(self.args, "hub_push_retries"),
-                option(self.args, "hub_push_backoff_s"),
+                f"uploading a checkpoint to {self.trainer.hub_model_id}",
+                option(self.trainer.args, "hub_push_retries"),
+                option(self.trainer.args, "hub_push_backoff_s"),
             )
         except Exception as error:  # noqa: BLE001 - a lost checkpoint upload must not stop training
             logger.warning(
                 "A checkpoint upload to %s did not happen (%s: %s); training goes on, the checkpoint is local and "
                 "the final push uploads the model.",
-                self.hub_model_id,
+                self.trainer.hub_model_id,
                 type(error).__name__,
                 error,
             )

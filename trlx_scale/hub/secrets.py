@@ -8,7 +8,7 @@ started with ``hub_token=...`` published the token to everyone who can read the 
 Two defences, both here:
 
 1. ``without_secrets(args)``: a copy of the arguments whose secret fields are cleared; the trainers rewrite every
-   ``training_args.bin`` transformers saves from it (``HubPushMixin._save``) right after transformers wrote it, and
+   ``training_args.bin`` transformers saves from it (``HubPush.after_save``) right after transformers wrote it, and
    stage checkpoint pushes themselves, so no file that is uploaded holds them.
 2. ``check_folder_has_no_secrets(folder, secrets)``: the last look before an upload. Every byte of every file that is
    about to go up is searched (read once, for all secrets together) for every secret this process knows (the config's token fields, the token of an

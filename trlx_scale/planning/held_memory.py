@@ -8,7 +8,7 @@ optimizer offloaded to host memory counts too). Activations, buffers of collecti
 and the allocator's cache are not model states and are not counted: on a GPU, ``memory/peak_device_gib`` is the whole
 peak beside these.
 
-Trainers log the result as ``memory/held/<role>_gib`` (``PlannedMemoryMixin``): the held memory of the policy,
+Trainers log the result as ``memory/held/<role>_gib`` (``MemoryPlanner``): the held memory of the policy,
 critic and reference under 1 process, DDP, ZeRO-3 or FSDP2 can be read off a run's logs, side by side with the
 planner's per-GPU number.
 """

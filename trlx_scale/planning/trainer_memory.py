@@ -21,6 +21,9 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -90,38 +93,39 @@ def backend_of(accelerator) -> tuple[str, bool]:
     return "ddp", False
 
 
-class PlannedMemoryMixin:
-    """Logs ``memory/planned_peak_gib`` next to the measured peaks: a trainer feature (``trlx_scale.trainer_features``,
-    which calls ``_setup_planner_before_trl`` before TRL's ``__init__`` and adds ``_memory_log_metrics`` to every log).
-    """
+class MemoryPlanner:
+    """Logs ``memory/planned_peak_gib`` next to the measured peaks: the trainer's component
+    (``trlx_scale.trainer_features`` builds it before TRL's ``__init__``, calls ``note_batch`` in ``compute_loss`` and
+    adds ``log_metrics`` to every log). What the run is comes from the trainer's seams: ``_planner_algorithm``,
+    ``_planner_engine``, ``_planner_num_generations``, ``_planner_extra_roles`` and ``_held_roles``."""
 
-    def _setup_planner_before_trl(self, model) -> None:
+    def __init__(self, model: Any):
         # The process's runtime before the trainer builds anything: what is resident, less the model already loaded.
-        self._runtime_baseline_bytes = max(current_rss_bytes() - materialized_model_bytes(model), 0)
+        self.runtime_baseline_bytes = max(current_rss_bytes() - materialized_model_bytes(model), 0)
         self._observed_batch: tuple[int, int, int] | None = None  # (rows, prompt tokens, completion tokens)
         self._model_shape_cache = None
+        self._trainer: Callable[[], Any] = lambda: None
+
+    def start(self, trainer: Any) -> None:
+        """After TRL's ``__init__``: the trainer whose run is planned (held weakly: it holds this component)."""
+        self._trainer = weakref.ref(trainer)
 
     # ---------------------------------------------------------------- what a trainer tells the planner
-    def _planner_algorithm(self) -> str:
-        return "grpo"
-
     def _planner_lengths(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens, sequences per forward): the largest loss batch seen, else the config's.
 
         A pair-wise trainer (DPO) reports whole sequences: the planner only uses prompt + completion there.
         """
+        trainer = self._trainer()
         if self._observed_batch is not None:
             rows, prompt, completion = self._observed_batch
-            pairs = self._planner_algorithm() in ("dpo", "online-dpo")
+            pairs = trainer._planner_algorithm() in ("dpo", "online-dpo")
             return prompt, completion, max(rows // 2, 1) if pairs else rows
-        completion = getattr(self.args, "max_completion_length", None) or 512
-        return 512, completion, self.args.per_device_train_batch_size
+        completion = getattr(trainer.args, "max_completion_length", None) or 512
+        return 512, completion, trainer.args.per_device_train_batch_size
 
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        self._note_batch(inputs)
-        return super().compute_loss(model, inputs, *args, **kwargs)
-
-    def _note_batch(self, inputs) -> None:
+    def note_batch(self, inputs) -> None:
+        """A loss batch's size (the largest one seen stands for the run's)."""
         if not isinstance(inputs, dict):
             return
         if "prompt_ids" in inputs and "completion_ids" in inputs:
@@ -142,44 +146,47 @@ class PlannedMemoryMixin:
     # ---------------------------------------------------------------- the plan
     def planned_memory(self) -> Plan:
         """The planner's per-device verdict for this trainer's run."""
-        unwrapped = self.accelerator.unwrap_model(self.model)
+        trainer = self._trainer()
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         params = list({id(p): p for p in unwrapped.parameters()}.values())  # tied weights once
         if self._model_shape_cache is None:
             total = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3: the full size, not the shard
             self._model_shape_cache = ModelShape.from_config(unwrapped.config, params=total)
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
         dtype = next((p.dtype for p in params if p.requires_grad), torch.float32)
-        masters = uses_fp32_master_weights(self.args)
+        masters = uses_fp32_master_weights(trainer.args)
         if dtype == torch.float32:
             precision = "fp32"
         else:
             precision = "bf16-master" if masters else "bf16"
         prompt, completion, micro_batch = self._planner_lengths()
-        backend, offload = backend_of(self.accelerator)
-        on_cuda = torch.cuda.is_available() and self.accelerator.device.type == "cuda"
-        engine = self._planner_engine()
+        backend, offload = backend_of(trainer.accelerator)
+        on_cuda = torch.cuda.is_available() and trainer.accelerator.device.type == "cuda"
+        engine = trainer._planner_engine()
         uses_engine = engine is not None
         engine_dtype = str(getattr(engine, "dtype", "auto")) if engine is not None else "auto"
         run = RunSpec(
             model=self._model_shape_cache,
-            algo=self._planner_algorithm(),
+            algo=trainer._planner_algorithm(),
             lora_rank=None,
             trainable_params=trainable if trainable != self._model_shape_cache.total_params else None,
             prompt_length=max(prompt, 1),
             completion_length=max(completion, 1),
             micro_batch=micro_batch,
-            num_generations=self._planner_num_generations(),
-            gradient_checkpointing=bool(self.args.gradient_checkpointing),
+            num_generations=trainer._planner_num_generations(),
+            gradient_checkpointing=bool(trainer.args.gradient_checkpointing),
             # The budget bounds a forward only where the passes are packed (decided at the first pass).
             max_tokens_per_microbatch=(
-                getattr(self.args, "max_tokens_per_microbatch", None)
-                if getattr(self, "_padding_free_decision", None)
+                getattr(trainer.args, "max_tokens_per_microbatch", None)
+                if getattr(getattr(trainer, "pass_layout", None), "padding_free_decision", None)
                 else None
             ),
             # As the trainer decided it (recompute_forwards; the plan also drops it where the backend refuses it).
-            recompute_forwards="true" if getattr(self, "_recompute_forwards_decision", None) else "false",
+            recompute_forwards="true"
+            if getattr(getattr(trainer, "pass_layout", None), "recompute_forwards_decision", None)
+            else "false",
             precision=precision,
-            compute_bytes=2 if (self.args.bf16 or dtype != torch.float32) else 4,
+            compute_bytes=2 if (trainer.args.bf16 or dtype != torch.float32) else 4,
             vllm=uses_engine,
             # The engine's own settings (what it runs with), where there is one.
             vllm_gpu_memory_utilization=engine.gpu_memory_utilization if uses_engine else 0.3,
@@ -188,52 +195,35 @@ class PlannedMemoryMixin:
             vllm_tensor_parallel_size=engine.tensor_parallel_size if uses_engine else 1,
             vllm_sleep=uses_engine and engine.enable_sleep_mode and getattr(engine, "sleep_supported", False),
             vllm_runtime_gib=0.0 if on_cuda else CPU_ENGINE_RUNTIME_GIB,
-            runtime_overhead_gib=2.0 if on_cuda else self._runtime_baseline_bytes / GIB,
-            zero3_init=zero3_init_of(self.accelerator),
-            **self._planner_extra_roles(),
+            runtime_overhead_gib=2.0 if on_cuda else self.runtime_baseline_bytes / GIB,
+            zero3_init=zero3_init_of(trainer.accelerator),
+            **trainer._planner_extra_roles(),
         )
         if on_cuda:
-            memory = torch.cuda.get_device_properties(self.accelerator.device).total_memory / GIB
+            memory = torch.cuda.get_device_properties(trainer.accelerator.device).total_memory / GIB
         else:
             memory = host_memory_gib()
-        layout = Layout(backend, offload, 1, self.accelerator.num_processes)
+        layout = Layout(backend, offload, 1, trainer.accelerator.num_processes)
         return role_memory(run, layout, memory)
-
-    def _planner_num_generations(self) -> int:
-        return getattr(self.args, "num_generations", None) or 2
-
-    def _planner_engine(self):
-        """The colocated engine this trainer runs, if any (an engine on servers holds no memory here)."""
-        engine = getattr(self, "vllm_generation", None) if getattr(self, "use_vllm", False) else None
-        return engine if getattr(engine, "in_training_processes", True) else None
-
-    def _planner_extra_roles(self) -> dict:
-        """RunSpec fields a trainer adds for its own roles (PPO: critic, reference)."""
-        return {}
-
-    def _held_roles(self) -> dict[str, tuple[torch.nn.Module, object]]:
-        """Each role's module and optimizer, for ``memory/held/<role>_gib``: the policy, and the reference model
-        where there is a separate one (a LoRA policy's reference is its own base). PPO adds its critic."""
-        roles: dict[str, tuple[torch.nn.Module, object]] = {"policy": (self.model, self.optimizer)}
-        reference = getattr(self, "ref_model", None)
-        if isinstance(reference, torch.nn.Module):
-            roles["reference"] = (reference, None)
-        return roles
 
     def held_memory_metrics(self) -> dict[str, float]:
         """``memory/held/<role>_gib``: the model states this rank holds per role (``held_memory``)."""
+        trainer = self._trainer()
         return {
-            f"memory/held/{role}_gib": round(held_gib(self.accelerator.unwrap_model(module), optimizer), 6)
-            for role, (module, optimizer) in self._held_roles().items()
+            f"memory/held/{role}_gib": round(held_gib(trainer.accelerator.unwrap_model(module), optimizer), 6)
+            for role, (module, optimizer) in trainer._held_roles().items()
         }
 
     def memory_metrics(self) -> dict[str, float]:
+        trainer = self._trainer()
         metrics = {"memory/planned_peak_gib": round(self.planned_memory().per_gpu_gib, 4)}
         metrics.update(self.held_memory_metrics())
         metrics["memory/peak_host_gib"] = round(peak_rss_bytes() / GIB, 4)
-        if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
-            metrics["memory/peak_device_gib"] = round(torch.cuda.max_memory_reserved(self.accelerator.device) / GIB, 4)
+        if torch.cuda.is_available() and trainer.accelerator.device.type == "cuda":
+            metrics["memory/peak_device_gib"] = round(
+                torch.cuda.max_memory_reserved(trainer.accelerator.device) / GIB, 4
+            )
         return metrics
 
-    def _memory_log_metrics(self, logs: dict[str, float]) -> dict[str, float]:
+    def log_metrics(self, logs: dict[str, float]) -> dict[str, float]:
         return self.memory_metrics()

@@ -56,8 +56,8 @@ from .config import PPOConfig
 from .critic import VALUE_HEAD_MODULE, SeparateCritic, SharedBaseCritic
 from .critic_training import CriticBackend, DistributedCritic
 from .kl_controller import AdaptiveKLController, FixedKLController
-from .roles import PPORolesMixin
-from .rollout_advantages import PPOAdvantagesMixin
+from .roles import build_critic, build_critic_optimizer, build_reference, critic_optimizer_options
+from .rollout_advantages import PPORolloutValues
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, GRPOTrainer):
+class PPOTrainer(GRPOTrainer):
     """Proximal Policy Optimization with a critic, GAE and a KL-penalized reward (see the module docstring)."""
 
     _tag_names = ["trl", "ppo", "trlx-scale"]
@@ -134,16 +134,17 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, GRPOTrainer):
             if args.adaptive_kl
             else FixedKLController(args.kl_coef)
         )
-        self.critic = self._build_critic(value_model)
+        self.critic = build_critic(self, value_model)
         self.checkpoint_parts.register("ppo_critic_and_kl", PPOStatePart(self))
-        self.ppo_ref_model = self._build_reference(ref_model)
+        self.ppo_ref_model = build_reference(self, ref_model)
+        self.rollout_values = PPORolloutValues(self)
         # The separate critic with its optimizer, wrapped like the policy; None for the shared-base critic, whose
         # parameters the policy's optimizer steps.
         self.critic_training: DistributedCritic | None = None
         if isinstance(self.critic, SeparateCritic):
             self.critic_training = DistributedCritic(
                 self.critic,
-                self._build_critic_optimizer(),
+                build_critic_optimizer(self),
                 CriticBackend.for_accelerator(self.accelerator),
                 max_grad_norm=args.max_grad_norm,
                 gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -169,7 +170,7 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, GRPOTrainer):
         finally:
             for param in critic_params:
                 param.requires_grad_(True)
-        group = {"params": critic_params, **self._critic_optimizer_options()}
+        group = {"params": critic_params, **critic_optimizer_options(self)}
         if isinstance(optimizer, FP32MasterAdamW):
             optimizer.add_trainable_group(group)
         else:
@@ -183,7 +184,33 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, GRPOTrainer):
         GAE and whitening (``_values_and_gae``). Evaluation rollouts keep TRL's (no critic step follows them)."""
         if not self.model.training:
             return batch
-        return self._values_and_gae(batch)
+        return self.rollout_values.values_and_gae(batch)
+
+    def _policy(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    # What the memory planner needs to know of this run (trlx_scale.planning.trainer_memory).
+    def _planner_algorithm(self) -> str:
+        return "ppo"
+
+    def _held_roles(self) -> dict[str, tuple[torch.nn.Module, object]]:
+        """The policy, the separate critic (its DeepSpeed engine's optimizer, or its own) and the frozen reference.
+        A shared-base critic's adapter and head train in the policy's optimizer: its states are the policy's."""
+        roles: dict[str, tuple[torch.nn.Module, object]] = {"policy": (self.model, self.optimizer)}
+        if self.critic_training is not None:
+            critic = self.critic_training
+            optimizer = critic.module.optimizer if critic.backend == "deepspeed" else critic.optimizer
+            roles["critic"] = (critic.critic, optimizer)
+        if self.ppo_ref_model is not None:
+            roles["reference"] = (self.ppo_ref_model, None)
+        return roles
+
+    def _planner_extra_roles(self) -> dict:
+        return {
+            "critic_mode": self.args.critic_mode,
+            "critic_lora": self.args.critic_use_peft,
+            "reference": self.ppo_ref_model is not None,
+        }
 
     def _rank_balance_algorithm_blocker(self) -> str | None:
         return (
@@ -215,14 +242,14 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, GRPOTrainer):
         if "tool_mask" in inputs:  # tool results and observations: no value target, no action (ppo.advantages)
             mask = mask * inputs["tool_mask"].float()
         length = inputs["completion_ids"].size(1)
-        values = self._values(input_ids, attention_mask, length)
+        values = self.rollout_values.values(input_ids, attention_mask, length)
         value_loss, value_clip = clipped_value_loss(
             values, inputs["old_values"], inputs["returns"], mask, self.args.cliprange_value
         )
         count = mask.sum().clamp(min=1)
         # The value loss is a mean over every rank's tokens (DDP then averages the ranks' gradients), not a mean of
         # the ranks' means: the same on 2 x B/2 rows as on 1 x B.
-        global_count = self._sum_across_ranks(mask.sum()).clamp(min=1)
+        global_count = self.rollout_values.sum_across_ranks(mask.sum()).clamp(min=1)
         to_global = count * self.accelerator.num_processes / global_count  # local mean -> share of the global one
         value_loss_for_gradient = value_loss * to_global
         approx_kl = 0.5 * (((current_logps - inputs["old_per_token_logps"]) ** 2) * mask).sum() / count
@@ -262,7 +289,7 @@ class PPOTrainer(PPORolesMixin, PPOAdvantagesMixin, GRPOTrainer):
     def _step_critic(self) -> None:
         if self.critic_training is None:
             return  # shared base: the policy's optimizer stepped the critic's group
-        if self._guard_state()["skip"]:
+        if self.nonfinite_guard.skip:
             return  # the guard skipped this step: the critic's gradients were dropped with the policy's
         with self.phase_timer.phase("critic"):
             self.critic_training.step()

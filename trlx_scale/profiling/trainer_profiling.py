@@ -1,4 +1,4 @@
-"""``PhaseProfilerMixin``: per-phase step times, token throughput and MFU in every trlx_scale trainer's logs.
+"""``StepProfiler``: per-phase step times, token throughput and MFU in every trlx_scale trainer's logs.
 
 Each process times its own phases (``PhaseTimer``; the trainers open the phases where the work happens) and counts
 its tokens and model FLOPs (``flops``). At each logging step the records of the steps since the last log are reduced
@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -46,24 +48,27 @@ class StepRecord:
     counters: dict[str, float] = field(default_factory=dict)
 
 
-class PhaseProfilerMixin:
-    """Times the phases of every step: a trainer feature (``trlx_scale.trainer_features``), which calls
-    ``_setup_profiler_before_trl`` before TRL's ``__init__`` and ``_setup_profiler`` after it, wraps each
-    ``training_step`` in ``_profiled_step`` and adds ``_profiler_log_metrics`` to every log."""
+class StepProfiler:
+    """Times the phases of every step: the trainer's component (``trlx_scale.trainer_features`` builds it before
+    TRL's ``__init__``, since DPO scores its reference log-probs there, and calls ``start`` after it). The trainer
+    wraps each ``training_step`` in ``profiled_step`` and adds ``log_metrics`` to every log; the trainers' rollout
+    and passes call ``count_generation`` and ``count_logprob_pass``."""
 
-    def _setup_profiler_before_trl(self, config) -> None:
-        # Before TRL's __init__: DPO scores its reference log-probs there.
+    def __init__(self, config: Any):
         self.phase_timer = PhaseTimer(enabled=bool(option(config, "profile_phases")))
+        self._trainer: Callable[[], Any] = lambda: None
         self._step_records: list[StepRecord] = []
-        self._setup_phases: dict[str, float] = {}
+        self.setup_phases: dict[str, float] = {}  # what ran before training (DPO's reference scoring)
         self._profiler_seconds = 0.0
-        self._flops_shape: ModelFlops | None = None
-        self._pending_passes: list[tuple[torch.Tensor, bool, float]] = []  # (row lengths, training, token ratio)
-        self._peak_tflops: float | None = None
+        self.flops_shape: ModelFlops | None = None
+        self.pending_passes: list[tuple[torch.Tensor, bool, float]] = []  # (row lengths, training, token ratio)
+        self.peak_tflops: float | None = None
 
-    def _setup_profiler(self) -> None:
+    def start(self, trainer: Any) -> None:
+        """After TRL's ``__init__``: the model exists; the step clock joins the trainer's callbacks."""
+        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
         if self.phase_timer.enabled:
-            self.add_callback(_StepClock(self))
+            trainer.add_callback(_StepClock(trainer))
 
     # ---------------------------------------------------------------- what the trainers call
     @contextmanager
@@ -76,30 +81,31 @@ class PhaseProfilerMixin:
             self._profiler_seconds += time.perf_counter() - start
 
     def _model_flops(self) -> ModelFlops:
-        if self._flops_shape is None:
-            self._flops_shape = ModelFlops.of(self.accelerator.unwrap_model(self.model))
-        return self._flops_shape
+        if self.flops_shape is None:
+            trainer = self._trainer()
+            self.flops_shape = ModelFlops.of(trainer.accelerator.unwrap_model(trainer.model))
+        return self.flops_shape
 
-    def _count_logprob_pass(self, row_lengths: torch.Tensor, training: bool, token_ratio: float = 1.0) -> None:
+    def count_logprob_pass(self, row_lengths: torch.Tensor, training: bool, token_ratio: float = 1.0) -> None:
         """FLOPs (and trained tokens) of a log-prob pass over rows of these real lengths, as the pass reports them
         (``passes.PassResult``). ``token_ratio`` > 1: the pass processed that many times fewer tokens than the rows
         hold (a shared prefix). The lengths stay on the device until the step ends (no device sync in the pass)."""
         if not self.phase_timer.enabled:
             return
         with self._bookkeeping():
-            self._pending_passes.append((row_lengths.detach(), training, token_ratio))
+            self.pending_passes.append((row_lengths.detach(), training, token_ratio))
 
     def _count_pending_passes(self) -> None:
         shape = self._model_flops()
-        for lengths_tensor, training, token_ratio in self._pending_passes:
+        for lengths_tensor, training, token_ratio in self.pending_passes:
             lengths = lengths_tensor.tolist()
             flops = shape.training_flops(lengths) if training else shape.forward_flops(lengths)
             self.phase_timer.count("flops", flops / token_ratio)
             if training:
                 self.phase_timer.count("trained_tokens", sum(lengths) / token_ratio)
-        self._pending_passes = []
+        self.pending_passes = []
 
-    def _count_generation(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:
+    def count_generation(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:
         """Tokens and FLOPs of one generation call (each distinct prompt prefilled once: prefix cache, n=G)."""
         if not self.phase_timer.enabled:
             return
@@ -112,19 +118,14 @@ class PhaseProfilerMixin:
 
     # ---------------------------------------------------------------- the Trainer's loop
     @contextmanager
-    def _profiled_step(self):
+    def profiled_step(self):
         """Around one micro-batch's training step (``TrainerFeatures.training_step``)."""
         with self.phase_timer.phase("loss_forward_backward"):
             yield
-        if self.accelerator.sync_gradients:
+        if self._trainer().accelerator.sync_gradients:
             self.phase_timer.begin("optimizer")  # clipping and the step; closed by _StepClock.on_optimizer_step
 
-    def evaluate(self, *args, **kwargs):
-        # An evaluation between steps is part of no phase: everything it runs counts as "other".
-        with self.phase_timer.phase("other", absorb=True):
-            return super().evaluate(*args, **kwargs)
-
-    def _close_step(self, seconds: float) -> None:
+    def close_step(self, seconds: float) -> None:
         with self._bookkeeping():
             self._count_pending_passes()
             phases, counters = self.phase_timer.take()
@@ -137,18 +138,17 @@ class PhaseProfilerMixin:
         if not records:
             return {}
         overhead, self._profiler_seconds = self._profiler_seconds, 0.0
-        return summarize_steps(
-            records, self.accelerator.num_processes, self._peak_tflops, overhead, self.accelerator.device
-        )
+        accelerator = self._trainer().accelerator
+        return summarize_steps(records, accelerator.num_processes, self.peak_tflops, overhead, accelerator.device)
 
-    def _profiler_log_metrics(self, logs: dict[str, float]) -> dict[str, float]:
+    def log_metrics(self, logs: dict[str, float]) -> dict[str, float]:
         """The profile of the steps since the last log (a collective: every rank logs at the same steps)."""
         if not self.phase_timer.enabled or any(key.startswith("eval_") for key in logs):
             return {}
         extra = self._profile_metrics()
-        if self._setup_phases:
-            extra.update({f"time/{name}": seconds for name, seconds in self._setup_phases.items()})
-            self._setup_phases = {}
+        if self.setup_phases:
+            extra.update({f"time/{name}": seconds for name, seconds in self.setup_phases.items()})
+            self.setup_phases = {}
         return extra
 
 
@@ -160,35 +160,35 @@ class _StepClock(TrainerCallback):
     the next engine's start-up.
     """
 
-    def __init__(self, trainer: PhaseProfilerMixin):
+    def __init__(self, trainer: Any):
         self._trainer = weakref.ref(trainer)
         self.step_started: float | None = None
 
     @property
-    def trainer(self) -> PhaseProfilerMixin:
-        return self._trainer()
+    def profiler(self) -> StepProfiler:
+        return self._trainer().profiler
 
     def on_train_begin(self, args, state, control, **kwargs):
-        trainer = self.trainer
+        trainer, profiler = self._trainer(), self.profiler
         # What ran before training (DPO's reference scoring) is logged once, with the first step's metrics.
-        phases, _ = trainer.phase_timer.take()
-        trainer._setup_phases = {name: seconds for name, seconds in phases.items() if seconds > 0}
-        trainer._pending_passes = []  # passes before training are not a step's work
+        phases, _ = profiler.phase_timer.take()
+        profiler.setup_phases = {name: seconds for name, seconds in phases.items() if seconds > 0}
+        profiler.pending_passes = []  # passes before training are not a step's work
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         dtype = next((p.dtype for p in unwrapped.parameters() if p.requires_grad), torch.float32)
-        trainer._flops_shape = ModelFlops.of(unwrapped)
-        trainer._peak_tflops = device_peak_tflops(
+        profiler.flops_shape = ModelFlops.of(unwrapped)
+        profiler.peak_tflops = device_peak_tflops(
             trainer.accelerator.device, dtype, option(trainer.args, "peak_tflops")
         )
-        self.step_started = trainer.phase_timer.clock()
+        self.step_started = profiler.phase_timer.clock()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer.phase_timer.end("optimizer")
+        self.profiler.phase_timer.end("optimizer")
 
     def on_step_end(self, args, state, control, **kwargs):
-        now = self.trainer.phase_timer.clock()
+        now = self.profiler.phase_timer.clock()
         if self.step_started is not None:
-            self.trainer._close_step(now - self.step_started)
+            self.profiler.close_step(now - self.step_started)
         self.step_started = now
 
 

@@ -23,7 +23,9 @@ import os
 import re
 import shutil
 import time
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
@@ -36,7 +38,6 @@ from .deepspeed_reshard import convert_to_universal, saved_world_size
 from .disk_space import (
     CheckpointDiskSpaceError,
     disk_space_message,
-    existing_ancestor,
     is_out_of_space,
     space_shortfall,
 )
@@ -190,17 +191,25 @@ def checkpoint_bytes(path: str) -> int | None:
 class _FinishPendingSaves(TrainerCallback):
     """Each step's end: mark the asynchronous saves that every rank has finished writing."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, checkpoints: AtomicCheckpoints):
+        self.checkpoints = checkpoints
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer._finish_pending_saves(block=False)
+        self.checkpoints.finish_pending_saves(block=False)
 
 
-class AtomicCheckpointMixin:
-    """Mixed into a trainer: completion markers with checksums on save, torn and damaged checkpoints skipped on
+class AtomicCheckpoints:
+    """The trainer's checkpoints (``trlx_scale.trainer_features`` builds it and delegates transformers' save, load
+    and train to it): completion markers with checksums on save, torn and damaged checkpoints skipped on
     resume, the disk's free space checked before each save, preemption signals, asynchronous sharded saves. Reads
     ``verify_checkpoints``, ``save_on_preemption`` and ``async_checkpoints`` from the config."""
+
+    def __init__(self, trainer: Any):
+        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
+
+    @property
+    def trainer(self) -> Any:
+        return self._trainer()
 
     # Asynchronous sharded saves: the one being written by this _save_checkpoint call (set in
     # _save_optimizer_and_scheduler, which transformers calls from inside it), and those written but not yet marked
@@ -210,9 +219,9 @@ class AtomicCheckpointMixin:
     _last_completed: str | None = None  # the newest checkpoint this run completed
 
     def _verify_checkpoints(self) -> bool:
-        if not option(self.args, "verify_checkpoints"):
+        if not option(self.trainer.args, "verify_checkpoints"):
             return False
-        if self.args.save_on_each_node:
+        if self.trainer.args.save_on_each_node:
             # Each node holds its own copy: the ranks' shares of the file list would name files of other nodes.
             logger.warning_once("save_on_each_node=True: checkpoint checksums are neither recorded nor verified.")
             return False
@@ -221,57 +230,57 @@ class AtomicCheckpointMixin:
     def _gather(self, items: list) -> list:
         from accelerate.utils import gather_object
 
-        return gather_object(items) if self.accelerator.num_processes > 1 else items
+        return gather_object(items) if self.trainer.accelerator.num_processes > 1 else items
 
     def _verify_on_every_rank(self, path: str) -> list[str]:
         """The checksum check, split across ranks; every rank gets the same answer."""
-        return verify_checkpoint(path, self.accelerator.process_index, self.accelerator.num_processes, self._gather)
+        return verify_checkpoint(
+            path, self.trainer.accelerator.process_index, self.trainer.accelerator.num_processes, self._gather
+        )
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+    def run_training(self, base_train: Callable, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """transformers' ``train`` (``base_train``) on a verified checkpoint, with preemption and pending saves."""
         verify = self._verify_on_every_rank if self._verify_checkpoints() else None
-        resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir, verify)
-        if resume_from_checkpoint is not None and self.is_deepspeed_enabled:
+        resume_from_checkpoint = resolve_resume_checkpoint(
+            resume_from_checkpoint, self.trainer.args.output_dir, verify
+        )
+        if resume_from_checkpoint is not None and self.trainer.is_deepspeed_enabled:
             self._reshard_deepspeed_checkpoint(resume_from_checkpoint)
         handler = PreemptionHandler()
-        callback = PreemptionCallback(handler, self._any_rank)
+        callback = PreemptionCallback(handler, self.any_rank)
         self._preemption = callback
         pid_file = None
-        if option(self.args, "save_on_preemption") and handler.install():
-            self.add_callback(callback)
-            if self.is_world_process_zero():
-                pid_file = write_main_pid(self.args.output_dir)
+        if option(self.trainer.args, "save_on_preemption") and handler.install():
+            self.trainer.add_callback(callback)
+            if self.trainer.is_world_process_zero():
+                pid_file = write_main_pid(self.trainer.args.output_dir)
         pending_saves = _FinishPendingSaves(self)
-        self.add_callback(pending_saves)
+        self.trainer.add_callback(pending_saves)
         try:
-            result = super().train(resume_from_checkpoint, *args, **kwargs)
-            self._finish_pending_saves(block=True)  # the last asynchronous save is durable and marked
+            result = base_train(resume_from_checkpoint, *args, **kwargs)
+            self.finish_pending_saves(block=True)  # the last asynchronous save is durable and marked
         finally:
             handler.uninstall()
-            self.remove_callback(callback)
-            self.remove_callback(pending_saves)
+            self.trainer.remove_callback(callback)
+            self.trainer.remove_callback(pending_saves)
             if pid_file is not None and os.path.exists(pid_file):
                 os.remove(pid_file)
         if callback.preempted_at is None:
             handler.reraise_unhandled()  # a signal after the last step: honoured now that training is over
-        elif self.state.global_step >= self.state.max_steps:
+        elif self.trainer.state.global_step >= self.trainer.state.max_steps:
             logger.warning("A preemption signal came at the last step: training is complete and saved.")
         else:
             step = callback.preempted_at
             error = TrainingPreempted(
-                step, os.path.join(self.args.output_dir, f"checkpoint-{step}"), handler.signal_name
+                step, os.path.join(self.trainer.args.output_dir, f"checkpoint-{step}"), handler.signal_name
             )
             logger.warning("%s", error)
             raise error
         return result
 
-    def _finalize_training(self, trial, num_train_samples, start_time):
-        # transformers may now load the best checkpoint or rotate checkpoints away: not while one is being written.
-        self._finish_pending_saves(block=True)
-        return super()._finalize_training(trial, num_train_samples, start_time)
-
     def _reshard_deepspeed_checkpoint(self, checkpoint: str) -> None:
         """A DeepSpeed checkpoint saved by another number of processes loads through its universal copy."""
-        saved, now = saved_world_size(checkpoint), self.accelerator.num_processes
+        saved, now = saved_world_size(checkpoint), self.trainer.accelerator.num_processes
         if saved is None or saved == now:
             return
         logger.warning(
@@ -286,26 +295,24 @@ class AtomicCheckpointMixin:
                 f"{checkpoint} holds PPO's separate critic as a DeepSpeed engine of its own, which trlx_scale does not "
                 f"convert to another world size yet: resume it with {saved} processes (it was saved by {saved})."
             )
-        if self.accelerator.is_main_process:
+        if self.trainer.accelerator.is_main_process:
             convert_to_universal(checkpoint)
-        self.accelerator.wait_for_everyone()
+        self.trainer.accelerator.wait_for_everyone()
         # The engine is built in train() (accelerator.prepare), from this dict: it reads the universal copy.
-        self.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+        self.trainer.accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})[
+            "load_universal"
+        ] = True
 
-    def _any_rank(self, flag: bool) -> bool:
+    def any_rank(self, flag: bool) -> bool:
         """``flag`` OR-ed over every rank (one MAX all-reduce; every rank calls it at the same step)."""
         import torch
         import torch.distributed as dist
 
-        if self.accelerator.num_processes == 1 or not dist.is_initialized():
+        if self.trainer.accelerator.num_processes == 1 or not dist.is_initialized():
             return flag
-        value = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
+        value = torch.tensor([1.0 if flag else 0.0], device=self.trainer.accelerator.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item() > 0)
-
-    def _free_disk_bytes(self, directory: str) -> int:
-        """Seam for tests: the free bytes of the filesystem holding ``directory``."""
-        return shutil.disk_usage(existing_ancestor(directory)).free
 
     def _expected_checkpoint_bytes(self, run_dir: str) -> tuple[int, str]:
         """What the next save writes: the previous complete checkpoint's size, else the model and optimizer states
@@ -315,45 +322,47 @@ class AtomicCheckpointMixin:
                 return size, f"the size of {os.path.basename(path)}"
         import torch
 
-        model = self.accelerator.unwrap_model(self.model)
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         peft = hasattr(model, "peft_config")
         weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not peft)
         optimizer = 0
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
+        if self.trainer.optimizer is not None:
+            for state in self.trainer.optimizer.state.values():
                 optimizer += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
         return weights + optimizer, "the model's saved weights and the optimizer's state, estimated"
 
     def _check_disk_space(self, path: str, run_dir: str) -> None:
         needed, basis = self._expected_checkpoint_bytes(run_dir)
-        shortfall = space_shortfall(path, needed, self._free_disk_bytes(path), basis)
+        shortfall = space_shortfall(path, needed, self.trainer._free_disk_bytes(path), basis)
         shortfalls = self._gather([shortfall] if shortfall else [])  # every rank stops, or none does
         if shortfalls:
             raise CheckpointDiskSpaceError(errno.ENOSPC, shortfalls[0])
 
     def _async_sharded_saves(self) -> bool:
-        return option(self.args, "async_checkpoints") and uses_sharded_fsdp_checkpoints(self)
+        return option(self.trainer.args, "async_checkpoints") and uses_sharded_fsdp_checkpoints(self.trainer)
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    def save_optimizer_and_scheduler(self, base_save: Callable[[str], None], output_dir: str) -> None:
         if not self._async_sharded_saves():
-            super()._save_optimizer_and_scheduler(output_dir)
+            base_save(output_dir)
             return
         # The model's and optimizer's shards in Accelerate's SHARDED_STATE_DICT layout (transformers' resume reads
         # them), written in the background; the scheduler is small and saved now, as transformers does.
-        self._writing = save_sharded(self.model, self.optimizer, output_dir, asynchronous=True, adapter_only=True)
-        if self.args.should_save:
+        self._writing = save_sharded(
+            self.trainer.model, self.trainer.optimizer, output_dir, asynchronous=True, adapter_only=True
+        )
+        if self.trainer.args.should_save:
             import torch
 
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            torch.save(self.trainer.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
-    def _finish_pending_saves(self, block: bool) -> None:
+    def finish_pending_saves(self, block: bool) -> None:
         """Mark (checksums, marker, rotation) the asynchronous saves whose shards every rank has written; ``block``
         waits for them. Every rank calls it at the same points (step ends, the next save, the end of train())."""
         while self._unmarked:
             path, step, pending, run_dir, limit = self._unmarked[0]
             if block:
                 pending.wait()
-            elif self._any_rank(not pending.done()):
+            elif self.any_rank(not pending.done()):
                 return  # some rank is still writing: try again at the next step's end
             pending.wait()  # re-raises a failed write on this rank
             self._unmarked = self._unmarked[1:]
@@ -367,34 +376,31 @@ class AtomicCheckpointMixin:
     def _mark_complete(self, path: str, step: int, run_dir: str, limit: int | None) -> None:
         files = None
         if self._verify_checkpoints():
-            files = checksum_files(path, self.accelerator.process_index, self.accelerator.num_processes, self._gather)
-        if self.args.should_save:
-            mark_checkpoint_complete(path, step, files, self.accelerator.num_processes)
+            files = checksum_files(
+                path, self.trainer.accelerator.process_index, self.trainer.accelerator.num_processes, self._gather
+            )
+        if self.trainer.args.should_save:
+            mark_checkpoint_complete(path, step, files, self.trainer.accelerator.num_processes)
             rotate_checkpoints(
                 output_dir=run_dir,
                 save_total_limit=limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
+                best_model_checkpoint=self.trainer.state.best_model_checkpoint,
                 use_mtime=True,
             )
         # No rank goes on (and, when preempted, exits) before the marker exists: a launcher that kills the whole job
         # when one process exits (srun --kill-on-bad-exit) must never cut rank 0 off before it.
-        self.accelerator.wait_for_everyone()
+        self.trainer.accelerator.wait_for_everyone()
         self._last_completed = path
-        self._on_checkpoint_complete(path)
+        self.trainer._on_checkpoint_complete(path)
 
-    def _on_checkpoint_complete(self, path: str) -> None:
-        """Seam, on every rank once a checkpoint is complete (the Hub mixin pushes it from here)."""
-        parent = getattr(super(), "_on_checkpoint_complete", None)
-        if parent is not None:
-            parent(path)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        self._finish_pending_saves(block=True)  # one background save at a time: the previous one lands first
-        run_dir = self._get_output_dir(trial=trial)
-        path = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+    def save_checkpoint(self, base_save: Callable, model, trial) -> None:
+        """transformers' ``_save_checkpoint`` (``base_save``), then every checkpoint part, then the marker."""
+        self.finish_pending_saves(block=True)  # one background save at a time: the previous one lands first
+        run_dir = self.trainer._get_output_dir(trial=trial)
+        path = os.path.join(run_dir, f"checkpoint-{self.trainer.state.global_step}")
         if self._last_completed == path and is_complete_checkpoint(path):
             return  # this run saved this very step already (e.g. the epoch's end right after a preemption's save)
-        if self.args.should_save and os.path.isdir(path):
+        if self.trainer.args.should_save and os.path.isdir(path):
             # A torn one, or a complete one an earlier run wrote at this step (this run resumed from an older one):
             # writing into it would mix files of two runs (and of two world sizes) under a stale marker.
             why = (
@@ -404,31 +410,31 @@ class AtomicCheckpointMixin:
             )
             logger.warning("Removing %s: %s.", path, why)
             shutil.rmtree(path)
-        self.accelerator.wait_for_everyone()
+        self.trainer.accelerator.wait_for_everyone()
         self._check_disk_space(path, run_dir)
         # transformers rotates (deletes old checkpoints) at the end of its save, before the marker could exist: the
         # rotation is held back (on this trainer's own args, restored right after) and run once the marker is there.
-        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        limit, self.trainer.args.save_total_limit = self.trainer.args.save_total_limit, None
         try:
-            super()._save_checkpoint(model, trial)
-            if not self.args.save_only_model:
-                self.checkpoint_parts.save(path)
+            base_save(model, trial)
+            if not self.trainer.args.save_only_model:
+                self.trainer.checkpoint_parts.save(path)
         except Exception as error:
             if not is_out_of_space(error):
                 raise
             needed, basis = self._expected_checkpoint_bytes(run_dir)
-            message = disk_space_message(path, needed, self._free_disk_bytes(path), basis, during=True)
+            message = disk_space_message(path, needed, self.trainer._free_disk_bytes(path), basis, during=True)
             raise CheckpointDiskSpaceError(errno.ENOSPC, f"{message} (the writer said: {error})") from error
         finally:
-            self.args.save_total_limit = limit
-        self.accelerator.wait_for_everyone()  # every rank's part of the checkpoint is written (or, async, staged)
+            self.trainer.args.save_total_limit = limit
+        self.trainer.accelerator.wait_for_everyone()  # every rank's part of the checkpoint is written (or, async, staged)
         writing, self._writing = self._writing, None
         if writing is not None:  # marked once every rank's shards are durable (_finish_pending_saves)
-            self._unmarked = (*self._unmarked, (path, self.state.global_step, writing, run_dir, limit))
+            self._unmarked = (*self._unmarked, (path, self.trainer.state.global_step, writing, run_dir, limit))
             return
-        self._mark_complete(path, self.state.global_step, run_dir, limit)
+        self._mark_complete(path, self.trainer.state.global_step, run_dir, limit)
 
-    def _seconds_since_preemption(self) -> float | None:
+    def seconds_since_preemption(self) -> float | None:
         """Seconds since every rank agreed to stop on a preemption signal (the save now is the preemption's);
         None outside a preemption."""
         callback = getattr(self, "_preemption", None)
@@ -436,12 +442,15 @@ class AtomicCheckpointMixin:
             return None
         return callback.handler.clock() - callback.decided_at
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        engine_config = getattr(self.model_wrapped, "_config", None) if self.is_deepspeed_enabled else None
+    def after_optimizer_loaded(self, checkpoint: str | None) -> None:
+        """After transformers' ``_load_optimizer_and_scheduler``: the DeepSpeed universal copy off again, and, when
+        resuming, every checkpoint part loaded."""
+        engine_config = (
+            getattr(self.trainer.model_wrapped, "_config", None) if self.trainer.is_deepspeed_enabled else None
+        )
         if getattr(engine_config, "load_universal_checkpoint", False):
             # The universal copy served this resume only: a later load (the best model at the end) reads the
             # engine's own checkpoints, which have no universal copy.
             engine_config.load_universal_checkpoint = False
         if checkpoint is not None:  # resuming (transformers calls this once the optimizer exists)
-            self.checkpoint_parts.load(checkpoint)  # every part a component registered (checkpoint_parts)
+            self.trainer.checkpoint_parts.load(checkpoint)  # every part a component registered (checkpoint_parts)

@@ -2,6 +2,5 @@
 produces) and the policy version that tags it (``policy_version``)."""
 
 from .batch import RolloutBatch
-from .policy_version import PolicyVersionMixin
 
-__all__ = ["PolicyVersionMixin", "RolloutBatch"]
+__all__ = ["RolloutBatch"]

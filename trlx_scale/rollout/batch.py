@@ -24,7 +24,7 @@ log-prob passes, ``passes.packed_rows``, from these padded tensors, and their ou
   the engine; ``ref_per_token_logps``: (B, C) the reference's (None without a KL term);
 - ``old_values``, ``returns``: (B, C) PPO's critic values and GAE returns (None elsewhere);
 - ``policy_version``: the version of the policy whose weights the engine served when it generated these samples
-  (``PolicyVersionMixin``): one int for the batch, or a (B,) tensor, one per row, where rows come from several
+  (``TrainerFeatures.policy_version``): one int for the batch, or a (B,) tensor, one per row, where rows come from several
   versions (asynchronous generation); on the wire a (B,) int64 tensor, so it survives TRL's splits and shuffles;
 - ``token_policy_version``: (B, C) int64, each completion token's policy version where a weight update can land inside
   a completion (asynchronous generation with full weights reloaded under requests kept in flight:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import weakref
+from typing import Any
 
 from transformers import TrainerCallback
 
@@ -21,49 +22,11 @@ from ..atomic_files import write_text_atomically
 POLICY_VERSION_NAME = "policy_version.json"
 
 
-class PolicyVersionMixin:
-    """A trainer feature (``trlx_scale.trainer_features``): the ``policy_version`` counter and its checkpointing."""
-
-    policy_version: int = 0
-
-    def _setup_policy_version(self) -> None:
-        self.policy_version = 0
-        self.add_callback(_CountPolicyUpdates(self))
-        self.checkpoint_parts.register("policy_version", PolicyVersionPart(self))
-
-    def _weights_were_updated(self) -> bool:
-        """Whether the optimizer step that just ran changed the weights: unless the non-finite guard skipped it.
-        DeepSpeed steps inside ``backward``, before the guard decides: there every step counts."""
-        if getattr(self, "is_deepspeed_enabled", False):
-            return True
-        guard = getattr(self, "_nonfinite_guard", None)
-        return not (guard is not None and guard["skip"])
-
-    def _policy_engine(self):
-        """Seam: the engine that serves this trainer's policy, if any (GRPO/PPO: the colocated one; DPO: its own)."""
-        return None
-
-    def _weights_replaced(self) -> None:
-        """Weights loaded from outside the optimizer (a checkpoint, the best model at the end): whatever the version
-        numbers say, no engine serves them yet."""
-        engine = self._policy_engine()
-        if engine is not None:
-            engine.served_version = None
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self._weights_replaced()
-
-    def _load_best_model(self) -> None:
-        super()._load_best_model()
-        self._weights_replaced()
-
-
 class PolicyVersionPart:
     """The policy version in each checkpoint (``reliability.checkpoint_parts``), the same on every rank: the main
     process writes it."""
 
-    def __init__(self, trainer: PolicyVersionMixin):
+    def __init__(self, trainer: Any):
         self._trainer = weakref.ref(trainer)
 
     def save(self, checkpoint_dir: str) -> None:
@@ -82,10 +45,10 @@ class PolicyVersionPart:
             trainer.policy_version = trainer.state.global_step
 
 
-class _CountPolicyUpdates(TrainerCallback):
+class CountPolicyUpdates(TrainerCallback):
     """+1 after each optimizer step that changed the weights (before the guard's own on_step_end resets its flag)."""
 
-    def __init__(self, trainer: PolicyVersionMixin):
+    def __init__(self, trainer: Any):
         self._trainer = weakref.ref(trainer)
 
     def on_optimizer_step(self, args, state, control, **kwargs):

@@ -134,7 +134,7 @@ def load_window(path: str) -> tuple[dict[str, int], list[ScoredGroup]]:
             size, metrics=[(name, float(value)) for name, value in metrics]
         )
         # A window saved before policy versions were kept: its rollouts' weights are the step's (no skipped step
-        # known), as PolicyVersionMixin assumes for such a checkpoint.
+        # known), as the policy version's checkpoint part assumes for such a checkpoint.
         policy_version = state.get("policy_versions", [None] * len(state["indices"]))[position]
         sampled.extras[RolloutPolicyVersions.EXTRAS_KEY] = (
             sampled.version if policy_version is None else policy_version
