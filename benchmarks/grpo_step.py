@@ -106,10 +106,10 @@ def _timed_trl_trainer_cls():
 
     class TimedTRLGRPOTrainer(trl.GRPOTrainer):
         def __init__(self, *args, **kwargs):
-            self.profiler = StepProfiler(kwargs.get("args"))
+            self.profiler = StepProfiler(self, kwargs.get("args"))
             self.phase_timer = self.profiler.phase_timer
             super().__init__(*args, **kwargs)
-            self.profiler.start(self)
+            self.profiler.start()
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             with self.profiler.profiled_step():

@@ -395,3 +395,27 @@ def test_the_uni_executor_is_asked_for_unless_the_caller_chose_one():
     else:  # GPUs: vLLM's own executor (one rank is the uni executor there already)
         assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in launch.environment({})
         assert "--distributed-executor-backend" not in launch.arguments()
+
+
+def test_an_engine_whose_owner_is_freed_waits_for_the_next_engine_start():
+    """compat/vllm_engine_finalizers.py: a colocated engine outlives its freed owner until finalize_dropped_engines
+    (run right before an engine is built), never shutting down under a live engine in between."""
+    import weakref
+
+    from trlx_scale.compat.vllm_engine_finalizers import finalize_dropped_engines, retire_when_dropped
+
+    class Owner:
+        pass
+
+    class Engine:
+        pass
+
+    owner, engine = Owner(), Engine()
+    retire_when_dropped(owner, engine)
+    alive = weakref.ref(engine)
+    del engine
+    assert alive() is not None  # the owner holds it
+    del owner
+    assert alive() is not None  # parked: the owner is gone, the engine has not shut down
+    finalize_dropped_engines()
+    assert alive() is None

@@ -194,7 +194,7 @@ def test_online_round_builds_valid_pairs_from_the_policy_and_trains(default_mode
     # The trainer works on its own copy of the config: the caller's keeps remove_unused_columns as given.
     assert args.remove_unused_columns and not trainer.args.remove_unused_columns
     examples = [trainer.train_dataset[i] for i in range(8)]
-    pairs = trainer._online_round(examples)
+    pairs = trainer.online.round(examples)
     assert pairs, "the pre-trained model answers some prompts right and some wrong"
     tokenizer = trainer.processing_class
     by_prompt = {tuple(e["prompt_ids"]): e["answer"] for e in examples}
@@ -252,7 +252,7 @@ def test_online_rounds_sample_and_score_through_the_rollout_collector(default_mo
     assert scored.local_rewards_per_func[:, 0].tolist() == expected
     for ids, logps in zip(scored.samples.completion_ids, scored.samples.sampling_logps, strict=True):
         assert len(logps) == len(ids) and all(math.isfinite(x) and x <= 0 for x in logps)
-    pairs = trainer._online_round(examples)
+    pairs = trainer.online.round(examples)
     assert pairs, "at temperature 1.5 some group has different completions"
     for pair in pairs:
         assert sum(pair["chosen_ids"]) < sum(pair["rejected_ids"])

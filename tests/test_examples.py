@@ -23,7 +23,6 @@ def test_example_single_process_saves_adapter_and_summary(grpo_example_three_ste
     assert "held-out acc." in printed
     summary = read_run_summary(out)
     assert summary["steps"] == 3 and summary["world_size"] == 1
-    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     # Saved through the standard Trainer path: the LoRA adapter and a model card.
     assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
     assert "trlx-scale" in (out / "README.md").read_text()

@@ -101,12 +101,11 @@ def test_closing_under_a_call_stops_its_worker_and_the_call_says_so():
             outcome.append(str(error))
 
     caller = threading.Thread(target=call)
-    started = time.monotonic()
     caller.start()
     time.sleep(3)  # the worker started (spawn) and sleeps in the reward
     pool.close()
     caller.join(timeout=20)
-    assert not caller.is_alive() and time.monotonic() - started < 20  # not the reward's 30 s
+    assert not caller.is_alive()  # released by the close, not by the reward's 30 s
     assert len(outcome) == 1 and "stopped (the run ended) under this call" in outcome[0]
     assert guard.pop_report() == ([], 0)  # not blamed on a sample
     assert pool._pool is None

@@ -10,7 +10,6 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 import trlx_scale
 from trlx_scale import AsyncGRPOTrainer, DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
-from trlx_scale.async_grpo.tool_loop import AsyncToolLoopMixin
 from trlx_scale.generation.colocated_generation import ColocatedVLLMGeneration
 
 # TRL's methods each trlx_scale class overrides (its own methods are not pinned: renaming them is trlx_scale's
@@ -30,8 +29,13 @@ TRL_OVERRIDES = {
     DPOTrainer: {"_compute_loss", "_precompute_ref_logps", "_prepare_dataset", "train"},
     PPOTrainer: {"_compute_loss", "_load_from_checkpoint", "create_optimizer"},
     ColocatedVLLMGeneration: {"_init_vllm", "generate", "sync_weights"},
-    AsyncGRPOTrainer: {"_generate_and_score_completions", "evaluate", "train"},
-    AsyncToolLoopMixin: {"_generate_single_turn", "_tool_call_loop"},
+    AsyncGRPOTrainer: {
+        "_generate_and_score_completions",
+        "_generate_single_turn",
+        "_tool_call_loop",
+        "evaluate",
+        "train",
+    },
 }
 
 
@@ -106,7 +110,6 @@ def test_overridden_methods_exist_upstream_with_the_same_signature():
         (PPOTrainer, trl.GRPOTrainer, trl.GRPOTrainer),
         (ColocatedVLLMGeneration, VLLMGeneration, VLLMGeneration),
         (AsyncGRPOTrainer, trl.GRPOTrainer, GRPOTrainer),
-        (AsyncToolLoopMixin, trl.GRPOTrainer, GRPOTrainer),
     )
     for ours, trl_cls, parent in triples:
         for name in sorted(TRL_OVERRIDES[ours]):
@@ -416,8 +419,8 @@ def test_trl_still_keeps_its_environments_and_tools_as_the_collector_prepares_th
     assert "self.environments" in inspect.getsource(trl.GRPOTrainer._calculate_rewards)
 
 
-class _EngineReturningServedIds:
-    """Stands where TRL expects its vLLM engine: returns completion ids carrying groups, as the server engine does."""
+class _EngineServingGroups:
+    """A server engine's stand-in: each generate hands out groups, recorded in the generation call."""
 
     def __init__(self, groups):
         self.groups = groups
@@ -426,19 +429,24 @@ class _EngineReturningServedIds:
         pass
 
     def generate(self, prompts, images, num_generations, profiler=None):
-        from trlx_scale.rollout.carried_values import ServedCompletionIds
+        from trlx_scale.compat.trl_generation_call import record_served_groups
 
-        ids = ServedCompletionIds([[5, 6]] * len(prompts), self.groups)
-        return list(prompts), ids, [[[-0.5], [-0.25]]] * len(prompts), None
+        record_served_groups(self.groups)
+        return list(prompts), [[5, 6]] * len(prompts), [[[-0.5], [-0.25]]] * len(prompts), None
 
 
-def test_trls_generation_driver_passes_the_carried_values_through(default_model_dir, tmp_path):
-    """rollout/carried_values.py: TRL's own ``_generate`` (and its vLLM ``_generate_single_turn``) hands a
-    ``rollout_func`` the prompt list with its rows (a deep copy of it), and returns the engine's completion-id list,
-    or the rollout_func's, as it got it. The rollout collector's rows and the server engine's groups ride there."""
+def test_trls_generation_driver_runs_inside_the_generation_call(default_model_dir, tmp_path):
+    """compat/trl_generation_call.py: TRL's own ``_generate`` runs its engine (through ``_generate_single_turn``) and a
+    ``rollout_func`` on the caller's thread, so the generation call bound around it is theirs: the rows reach a
+    ``rollout_func`` and the groups a server engine hands out reach the sampling stage."""
     from trl import GRPOConfig as TRLGRPOConfig
 
-    from trlx_scale.rollout.carried_values import RolloutPrompts, ServedCompletionIds, groups_of, rows_of
+    from trlx_scale.compat.trl_generation_call import (
+        current_generation_call,
+        generation_call,
+        record_served_groups,
+        served_groups,
+    )
     from trlx_scale.tasks import addition_dataset
 
     from .helpers.trainers import small_grpo_config
@@ -450,28 +458,31 @@ def test_trls_generation_driver_passes_the_carried_values_through(default_model_
         train_dataset=addition_dataset("train", size=8),
     )
     groups = [object(), object()]
-    trainer.use_vllm, trainer.vllm_generation = True, _EngineReturningServedIds(groups)
+    trainer.use_vllm, trainer.vllm_generation = True, _EngineServingGroups(groups)
     trainer._last_loaded_step = -1  # TRL sets it where it builds its own engine
-    completion_ids = trainer._generate(["1+1=", "2+2="])[1]
-    assert groups_of(completion_ids, "TRL's _generate") is groups
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    with generation_call(rows) as call:
+        trainer._generate([row["prompt"] for row in rows])
+    assert served_groups(call.groups, "TRL's _generate") == groups
 
     seen = []
 
     def rollout_func(prompts, trainer):
-        seen.append(rows_of(prompts))
+        seen.append(current_generation_call().rows)
+        record_served_groups(groups)
         return {
             "prompt_ids": [[1]] * len(prompts),
-            "completion_ids": ServedCompletionIds([[5, 6]] * len(prompts), groups),
+            "completion_ids": [[5, 6]] * len(prompts),
             "logprobs": [[-0.5, -0.25]] * len(prompts),
         }
 
     trainer.rollout_func = rollout_func
-    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
-    completion_ids = trainer._generate(RolloutPrompts([row["prompt"] for row in rows], rows))[1]
-    assert seen == [rows]
-    assert groups_of(completion_ids, "TRL's _generate") is groups
-    with pytest.raises(RuntimeError, match="without the server engine's groups"):
-        groups_of([[5, 6]], "a driver that rebuilds the list")
+    with generation_call(rows) as call:
+        trainer._generate([row["prompt"] for row in rows])
+    assert seen == [rows] and call.groups == groups
+    assert current_generation_call() is None
+    with pytest.raises(RuntimeError, match="no server engine groups were recorded"):
+        served_groups([], "a driver that ran the engine elsewhere")
 
 
 def _upstream_source(relative_path: str) -> str:
@@ -523,3 +534,41 @@ def test_no_module_outside_compat_names_a_private_trl_attribute():
         for name in sorted(set(re.findall(r"\.(_[a-z][a-z0-9_]*)\b", path.read_text())) & private):
             offenders.append(f"{path.relative_to(package)}: {name}")
     assert offenders == []
+
+
+def test_trls_loss_still_runs_its_log_prob_pass_without_the_micro_batch():
+    """compat/trl_loss_pass.py binds the loss pass's micro-batch because TRL's _compute_loss hands its log-prob pass
+    token ids and masks only: when TRL passes the batch (or stops calling the pass there), the binding can go."""
+    from trlx_scale.compat import trl_loss_pass
+
+    assert trl.__version__.startswith(trl_loss_pass.TESTED_TRL)
+    source = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    call = source[source.index("self._get_per_token_logps_and_entropies(") :]
+    call = call[: call.index("\n        )") + 1]
+    # The pass gets a few fields of the batch (image inputs), never the batch itself.
+    arguments = re.sub(r"inputs\.get\(\"\w+\"\)", "", call).replace("input_ids", "")
+    assert "inputs" not in arguments, call
+    assert trl_loss_pass.loss_pass_batch() is None
+    with trl_loss_pass.loss_pass_of({"batch": 1}):
+        assert trl_loss_pass.loss_pass_batch() == {"batch": 1}
+    assert trl_loss_pass.loss_pass_batch() is None
+
+
+def test_trl_init_still_acts_on_the_fields_its_config_copy_switches():
+    """compat/trl_init_config.py hands TRL's __init__ a copy with these fields switched: each must still be read where
+    the switch matters (else the switch can go), the copy leaves the caller's object as it was, and no other field
+    can be switched by mistake."""
+    from transformers import Trainer
+
+    from trlx_scale.compat.trl_init_config import SWITCHABLE, TESTED_TRL, config_for_trl_init
+
+    assert trl.__version__.startswith(TESTED_TRL)
+    assert "self.use_vllm = args.use_vllm" in inspect.getsource(trl.GRPOTrainer.__init__)
+    assert "self.padding_free = args.padding_free" in inspect.getsource(trl.DPOTrainer.__init__)
+    assert "self.args.remove_unused_columns" in inspect.getsource(Trainer._remove_unused_columns)
+    assert set(SWITCHABLE) == {"use_vllm", "padding_free", "remove_unused_columns"}
+    args = GRPOConfig(output_dir="unused", report_to="none", bf16=False, use_vllm=True)
+    trl_args = config_for_trl_init(args, use_vllm=False)
+    assert args.use_vllm is True and trl_args.use_vllm is False and trl_args.learning_rate == args.learning_rate
+    with pytest.raises(ValueError, match="switches only"):
+        config_for_trl_init(args, learning_rate=1.0)

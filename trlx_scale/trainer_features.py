@@ -19,8 +19,8 @@ overridden the same way in each (TRL's GRPO and DPO trainers are both ``Trainer`
   register (the policy version's here; the trainers add theirs).
 - ``nonfinite_guard`` (``reliability.nonfinite_guard.NonFiniteGuard``): skips an optimizer step with a non-finite
   loss or gradient norm (``_get_grad_norm``: transformers computes the norm there, right before the step).
-- ``policy_version`` (an int, with ``rollout.policy_version``'s callback and checkpoint part): +1 per optimizer step
-  that changed the weights.
+- ``policy`` (``rollout.policy_version.PolicyVersion``, read as ``policy_version``): +1 per optimizer step that
+  changed the weights (its callback), saved in each checkpoint (its part), read by the engines.
 - ``checkpoints`` (``reliability.checkpoints.AtomicCheckpoints``): completion markers with checksums, verified
   resume, disk-space checks, preemption, asynchronous sharded saves; it saves every checkpoint part before the
   completion marker.
@@ -56,31 +56,29 @@ from .reliability.checkpoint_parts import CheckpointParts
 from .reliability.checkpoints import AtomicCheckpoints
 from .reliability.disk_space import existing_ancestor
 from .reliability.nonfinite_guard import NonFiniteGuard
-from .rollout.policy_version import CountPolicyUpdates, PolicyVersionPart
+from .rollout.policy_version import CountPolicyUpdates, PolicyVersion, PolicyVersionPart
 
 
 class TrainerFeatures:
     """The components of every trlx_scale trainer, and transformers' methods that delegate to them (see the module
     docstring)."""
 
-    policy_version: int = 0  # the weights the run starts from (also while TRL's __init__ runs)
-
     def __init__(self, *args, **kwargs):
         model = kwargs.get("model", args[0] if args else None)
         self.checkpoint_parts = CheckpointParts()
-        self.profiler = StepProfiler(kwargs.get("args"))
+        self.policy = PolicyVersion()  # 0: the weights the run starts from (also while TRL's __init__ runs)
+        self.profiler = StepProfiler(self, kwargs.get("args"))
         self.phase_timer = self.profiler.phase_timer
-        self.memory_planner = MemoryPlanner(model)
+        self.memory_planner = MemoryPlanner(self, model)
         self.pass_layout = PassLayout(self)
-        super().__init__(*args, **kwargs)
-        self.profiler.start(self)
-        self.memory_planner.start(self)
-        self.nonfinite_guard = NonFiniteGuard(self)
-        self.policy_version = 0
-        self.add_callback(CountPolicyUpdates(self))
-        self.checkpoint_parts.register("policy_version", PolicyVersionPart(self))
+        # transformers' __init__ already creates the Hub repo (push_to_hub) through init_hf_repo.
         self.checkpoints = AtomicCheckpoints(self)
         self.hub_push = HubPush(self)
+        super().__init__(*args, **kwargs)
+        self.profiler.start()
+        self.nonfinite_guard = NonFiniteGuard(self)
+        self.add_callback(CountPolicyUpdates(self))
+        self.checkpoint_parts.register("policy_version", PolicyVersionPart(self))
         self.master_weights = MasterWeights(self)
         self.features_ready = True
 
@@ -141,6 +139,12 @@ class TrainerFeatures:
         return True
 
     # ---------------------------------------------------------------- the policy version
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the policy holds now (``policy``: 0 at the start, +1 per optimizer step that
+        changed them)."""
+        return self.policy.value
+
     def _weights_were_updated(self) -> bool:
         """Whether the optimizer step that just ran changed the weights: unless the non-finite guard skipped it.
         DeepSpeed steps inside ``backward``, before the guard decides: there every step counts."""

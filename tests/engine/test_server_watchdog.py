@@ -132,8 +132,7 @@ def test_a_killed_trainer_takes_the_server_and_its_engine_process_with_it():
     _wait_until_listening(port, timeout=30)
     tree = [watchdog, *descendants(watchdog)]
     assert len(tree) == 3, f"watchdog, server and engine expected, found {tree}"
-    seconds = _kill_trainer_and_wait_for(tree, port, trainer, within=10)
-    assert seconds < 10
+    _kill_trainer_and_wait_for(tree, port, trainer, within=10)  # fails, naming what is left, if any outlives it
 
 
 def test_the_watchdog_exits_with_the_servers_code():

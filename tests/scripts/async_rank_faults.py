@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from tests.helpers.trainers import small_grpo_config  # noqa: E402
 from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from trlx_scale.async_grpo.producer_feed import ProducerFeed  # noqa: E402
 from trlx_scale.process_exit import run_then_exit  # noqa: E402
 from trlx_scale.tasks import addition_dataset, default_model_path, exact_match_reward  # noqa: E402
 
@@ -59,11 +60,17 @@ def reward_that_fails_on_rank1(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-class FaultyTrainer(AsyncGRPOTrainer):
-    def _producer_prompt(self, index: int):
+class FaultyFeed(ProducerFeed):
+    def producer_prompt(self, index: int):
         if ARMED["fault"] == "producer_rank1" and RANK == 1:
             raise KeyError(f"rank 1 has no prompt for group {index}")
-        return super()._producer_prompt(index)
+        return super().producer_prompt(index)
+
+
+class FaultyTrainer(AsyncGRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.producer_feed = FaultyFeed(self)
 
 
 class InjectAfterStep2(TrainerCallback):

@@ -31,6 +31,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from trlx_scale import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOConfig, GRPOTrainer
+from trlx_scale.async_grpo.producer_feed import ProducerFeed
 from trlx_scale.process_exit import run_then_exit
 from trlx_scale.reliability.checkpoints import resolve_resume_checkpoint
 from trlx_scale.tasks import addition_dataset, default_model_path, exact_match_reward
@@ -113,17 +114,24 @@ class StallingGRPOTrainer(GRPOTrainer):
         return super()._generate_single_turn(*args, **kwargs)
 
 
+class SlowScoringFeed(ProducerFeed):
+    async def score_group(self, request, sampled):
+        trainer = self.trainer
+        if trainer.slow_from is not None and request.index >= trainer.slow_from:
+            if trainer.accelerator.process_index == trainer.slow_rank:
+                import asyncio
+
+                await asyncio.sleep(60)  # a verifier that takes a minute (cancelled with the producer)
+        return await super().score_group(request, sampled)
+
+
 class SlowScoringAsyncTrainer(AsyncGRPOTrainer):
     slow_from: int | None = None
     slow_rank = 0
 
-    async def _score_group(self, request, sampled):
-        if self.slow_from is not None and request.index >= self.slow_from:
-            if self.accelerator.process_index == self.slow_rank:
-                import asyncio
-
-                await asyncio.sleep(60)  # a verifier that takes a minute (cancelled with the producer)
-        return await super()._score_group(request, sampled)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.producer_feed = SlowScoringFeed(self)
 
 
 def main() -> None:

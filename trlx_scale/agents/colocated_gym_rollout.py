@@ -6,20 +6,20 @@ trlx_scale's colocated engine inside one engine round (``serving_turns``: the tr
 asleep afterwards), each at its own pace (``ColocatedTurnSampler``: vLLM's continuous batching takes whatever turns
 are ready), each with a seed from the run's seed, the rank, the step and its index (a resumed run samples what the
 uninterrupted one sampled), under the trainer's budgets and prefix policy. The environments' ``reset`` gets the
-dataset row of its prompt: TRL's contract hands ``rollout_func`` the prompts alone, so the rows ride on the prompt
-list (``rollout.carried_values.RolloutPrompts``, built by ``_sample_rollout``).
+dataset row of its prompt: TRL's contract hands ``rollout_func`` the prompts alone, so the rows come from the
+generation call the sampling stage binds (``compat.trl_generation_call``).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from trl.chat_template_utils import parse_response
 
 from ..compat import trl_trainer_state as trl_state
+from ..compat.trl_generation_call import current_generation_call
 from ..options import option
-from ..rollout.carried_values import rows_of
+from ..trainer_part import TrainerPart
 from .colocated_tool_loop import _run_blocking
 from .colocated_turn_sampler import ColocatedTurnSampler
 from .gym_rollout import GymRollout
@@ -27,16 +27,9 @@ from .multi_turn_rollout import trajectory_metrics
 from .trajectory_tokens import ObservationRenderer, TurnBudget
 
 
-class ColocatedGymRollout:
+class ColocatedGymRollout(TrainerPart):
     """``GRPOTrainer``'s gym episodes (``gym_rollout``; see the module docstring): its ``_gym_rollout`` runs ``run``.
     Its seeds are the tool loop's (``tool_loop.trajectory_seed``)."""
-
-    def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
-
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
 
     def run(self, gym: GymRollout, prompts: list) -> dict[str, list]:
         """The episodes of ``gym`` for these prompts (each carrying its row) on the colocated engine, as TRL's output."""
@@ -46,13 +39,14 @@ class ColocatedGymRollout:
                 "GymRollout runs its episodes on trlx_scale's colocated vLLM engine: set use_vllm=True and "
                 "vllm_mode='colocate' (or use AsyncGRPOTrainer for the servers)."
             )
-        rows = rows_of(prompts)
-        if rows is None:
+        call = current_generation_call()
+        if call is None:
             raise RuntimeError(
                 "GymRollout got prompts without their dataset rows: trlx_scale's rollout collector calls TRL's "
-                "generation driver with them (rollout.carried_values.RolloutPrompts); a rollout built another way "
-                "cannot reset the environments from their rows."
+                "generation driver inside a generation call that carries them (compat.trl_generation_call); a "
+                "rollout built another way cannot reset the environments from their rows."
             )
+        rows = call.rows
         mode = "train" if self.trainer.model.training else "eval"
         with self.trainer.phase_timer.phase("generation"), engine.serving_turns() as llm:
             sampler = ColocatedTurnSampler(

@@ -1,4 +1,4 @@
-"""``ConcurrentToolLoopMixin``: GRPO's tool-calling turns without lockstep on the colocated engine.
+"""``ColocatedToolLoop``: GRPO's tool-calling turns without lockstep on the colocated engine.
 
 TRL 1.16 keeps the multi-turn rollout in ``_tool_call_loop`` (called by ``_generate`` after the first turn, when the
 trainer has tools or an ``environment_factory``): lockstep rounds over the whole batch (see
@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import hashlib
 import threading
-import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,6 +29,7 @@ from trl.chat_template_utils import parse_response
 
 from ..compat import trl_trainer_state as trl_state
 from ..options import option
+from ..trainer_part import TrainerPart
 from .colocated_turn_sampler import ColocatedTurnSampler
 from .tool_call_continuation import (
     STOP_REASONS,
@@ -46,17 +46,13 @@ logger = logging.get_logger(__name__)
 MAX_TOOL_THREADS = 64
 
 
-class ColocatedToolLoop:
+class ColocatedToolLoop(TrainerPart):
     """``GRPOTrainer``'s tool loop (``tool_loop``; see the module docstring): its ``_tool_call_loop`` override runs
     ``run``. Needs the trainer's ``_rollout_engine``."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
+        super().__init__(trainer)
         self._told_lockstep = False
-
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
 
     def run(
         self, trl_loop: Callable, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields

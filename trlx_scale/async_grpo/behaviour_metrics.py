@@ -12,43 +12,46 @@ from ..losses.vllm_importance_sampling import (
     unbounded_log_weights,
     vllm_importance_sampling_ratio,
 )
+from ..trainer_part import TrainerPart
 
 
-class AsyncBehaviourMetricsMixin:
+class BehaviourMetrics(TrainerPart):
     """Part of ``AsyncGRPOTrainer``: logs the behaviour policy's distance from the trainer's at every rollout, and
     takes a sequence mode's weight as ``sequence_behaviour_weight`` says."""
 
-    def _sequence_weight_normalisation(self) -> str:
+    def sequence_weight_normalisation(self) -> str:
         # Read by the rollout collector's correction and by the loss pass's (deferred) one alike.
-        return "mean" if self.args.sequence_behaviour_weight == "geometric_mean" else "sum"
+        return "mean" if self.trainer.args.sequence_behaviour_weight == "geometric_mean" else "sum"
 
-    def _deferred_correction(self, logps: torch.Tensor, inputs: dict) -> None:
+    def deferred_correction(self, base_correction, logps: torch.Tensor, inputs: dict) -> None:
+        """The loss pass's correction (``base_correction``: GRPOTrainer's), and the behaviour metrics of a batch it
+        corrected."""
         had = "importance_sampling_ratio" in inputs
-        super()._deferred_correction(logps, inputs)
+        base_correction(logps, inputs)
         if not had and "importance_sampling_ratio" in inputs:
             mask = inputs["completion_mask"]
             if "tool_mask" in inputs:  # tool results were not sampled: no behaviour log-prob to compare
                 mask = mask * inputs["tool_mask"]
-            self._log_behaviour(logps.detach(), inputs["sampling_per_token_logps"], mask)
+            self.log(logps.detach(), inputs["sampling_per_token_logps"], mask)
 
-    def _log_behaviour(self, prox: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor) -> None:
+    def log(self, prox: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor) -> None:
         """``async/sampler_trainer_kl`` (k3 estimate of KL(pi_behave || pi_prox) per token) and
         ``async/behaviour_weight_clip_frac``: the share of tokens (sequences, in a sequence mode) whose weight
         pi_prox / pi_behave the correction's bounds changed (truncated or masked)."""
         mask = mask.to(prox.dtype)
         behave = torch.nan_to_num(behave, nan=0.0)
-        mode = self.vllm_importance_sampling_mode
+        mode = self.trainer.vllm_importance_sampling_mode
         bounded = vllm_importance_sampling_ratio(
             prox,
             behave,
             mask,
             mode,
-            self.vllm_importance_sampling_clip_min,
-            self.vllm_importance_sampling_clip_max,
-            self._sequence_weight_normalisation(),
+            self.trainer.vllm_importance_sampling_clip_min,
+            self.trainer.vllm_importance_sampling_clip_max,
+            self.sequence_weight_normalisation(),
         )
         sequence = is_sequence_level(mode)
-        raw = torch.exp(unbounded_log_weights(prox, behave, mask, mode, self._sequence_weight_normalisation()))
+        raw = torch.exp(unbounded_log_weights(prox, behave, mask, mode, self.sequence_weight_normalisation()))
         changed = (raw != bounded).to(mask.dtype)
         if sequence:
             counted = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
@@ -56,7 +59,7 @@ class AsyncBehaviourMetricsMixin:
         else:
             fraction = (changed * mask).sum() / mask.sum().clamp(min=1.0)
         stats = torch.stack([behaviour_kl(prox, behave, mask), fraction])
-        stats = self.accelerator.gather(stats.unsqueeze(0)).mean(0)
-        metrics = trl_state.metrics(self, "train" if self.model.training else "eval")
+        stats = self.trainer.accelerator.gather(stats.unsqueeze(0)).mean(0)
+        metrics = trl_state.metrics(self.trainer, "train" if self.trainer.model.training else "eval")
         metrics["async/sampler_trainer_kl"].append(stats[0].item())
         metrics["async/behaviour_weight_clip_frac"].append(stats[1].item())

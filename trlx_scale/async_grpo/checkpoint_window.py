@@ -10,27 +10,23 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from typing import Any
 
 from ..reliability.rank_agreement import failing_together
 from ..rollout.async_producer import RolloutProducer
 from ..rollout.rollout_window import WINDOW_STATE_NAME, load_window, save_window, window_mismatch
+from ..trainer_part import TrainerPart
 
 logger = logging.getLogger(__name__)
 
 
-class RolloutWindowCheckpoint:
+class RolloutWindowCheckpoint(TrainerPart):
     """``AsyncGRPOTrainer``'s checkpoint part (``reliability.checkpoint_parts``): the rollout window saved with each
     checkpoint, and continued on resume when the engine starts (``continued_window``)."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this part: no cycle
+        super().__init__(trainer)
         self._resume_window: tuple[dict[str, int], list] | None = None  # read from a checkpoint on resume
-
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
 
     def window_settings(self, groups: int, next_index: int, oldest_version: int) -> dict[str, int]:
         """What decides the schedule and the samples: a saved window continues a run only if they are the same."""

@@ -19,61 +19,57 @@ from ..agents.trajectory_tokens import ObservationRenderer
 from ..compat import trl_trainer_state as trl_state
 from ..options import option
 from ..rollout.async_producer import SampledGroup
-from ..rollout.carried_values import ServedCompletionIds
+from ..trainer_part import TrainerPart
 
 
-class AsyncGymRolloutMixin:
+class ServerGymRollout(TrainerPart):
     """Part of ``AsyncGRPOTrainer`` (see the module docstring); its parser and budget are the colocated one's (``gym_rollout``)."""
 
-    _gym_rollout_reads_rows = False  # the producer's episodes reset their environments from the rows themselves
+    def uses_gym_rollout(self) -> bool:
+        return isinstance(self.trainer.rollout_func, GymRollout)
 
-    def _uses_gym_rollout(self) -> bool:
-        return isinstance(self.rollout_func, GymRollout)
-
-    def _check_async_gym(self) -> None:
+    def check(self) -> None:
         """At construction: what this trainer cannot do with a ``GymRollout``, refused by name."""
-        if not self._uses_gym_rollout():
+        if not self.uses_gym_rollout():
             return
-        if self.args.eval_strategy != "no":
+        if self.trainer.args.eval_strategy != "no":
             raise ValueError(
                 "AsyncGRPOTrainer with rollout_func=GymRollout(...) does not evaluate yet: set eval_strategy='no' "
                 "(evaluate with GRPOTrainer on the saved model)."
             )
 
-    def _gym_group_sampler(self, client: Any, context: int) -> ServerGymGroupSampler:
+    def group_sampler(self, client: Any, context: int) -> ServerGymGroupSampler:
         """The producer's sampler of whole episodes, on its own tokenizer (tokenizers are not thread-safe)."""
-        tokenizer = self._producer_tokenizer
+        tokenizer = self.trainer._producer_tokenizer
         return ServerGymGroupSampler(
             client,
-            self.rollout_func,
-            renderer=ObservationRenderer(tokenizer, chat_template=self.chat_template),
-            parse=self.gym_rollout.turn_parser(tokenizer),
-            budget=self.gym_rollout.budget(context),
+            self.trainer.rollout_func,
+            renderer=ObservationRenderer(tokenizer, chat_template=self.trainer.chat_template),
+            parse=self.trainer.gym_rollout.turn_parser(tokenizer),
+            budget=self.trainer.gym_rollout.budget(context),
             tokenizer=tokenizer,
-            prefix_mismatch=option(self.args, "prefix_mismatch"),
+            prefix_mismatch=option(self.trainer.args, "prefix_mismatch"),
         )
 
-    def _gym_group_reward_inputs(self, sampled: SampledGroup) -> dict[str, list]:
+    def group_reward_inputs(self, sampled: SampledGroup) -> dict[str, list]:
         """A gym group's extra fields, as reward-function arguments (what TRL merges into the rows in ``GRPOTrainer``)."""
         return {key: list(value) for key, value in sampled.extras[GYM_FIELDS].items() if key not in ROLLOUT_KEYS}
 
-    def _gym_rollout(self, gym: GymRollout, prompts: list) -> dict[str, list]:
+    def rollout(self, gym: GymRollout, prompts: list) -> dict[str, list]:
         """TRL's ``rollout_func`` call: the producer's next groups, their episodes in TRL's shape."""
-        if not self.model.training:
+        if not self.trainer.model.training:
             raise RuntimeError("AsyncGRPOTrainer does not evaluate with a GymRollout (refused at construction).")
-        engine = self.vllm_generation
-        scored = engine.take_groups(len(prompts) // self.num_generations)
+        engine = self.trainer.vllm_generation
+        scored = engine.take_groups(len(prompts) // self.trainer.num_generations)
         groups = [group.sampled for group in scored]
         output: dict[str, list] = {
-            # The groups ride on the completion ids to the collector's sampling stage (rollout.carried_values).
-            "completion_ids": ServedCompletionIds(
-                [list(ids) for group in groups for ids in group.completion_ids], scored
-            ),
+            # The groups reach the collector's sampling stage through the generation call (take_groups recorded them).
+            "completion_ids": [list(ids) for group in groups for ids in group.completion_ids],
             "logprobs": [list(values) for group in groups for values in group.logprobs],
         }
         for key in groups[0].extras[GYM_FIELDS]:
             output[key] = [value for group in groups for value in group.extras[GYM_FIELDS][key]]
-        metrics = trl_state.metrics(self, "train")
+        metrics = trl_state.metrics(self.trainer, "train")
         for name in groups[0].extras[GYM_METRICS]:
             values = [group.extras[GYM_METRICS][name] for group in groups]
             metrics[name].append(sum(values) / len(values))

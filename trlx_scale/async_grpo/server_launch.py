@@ -14,63 +14,66 @@ from ..generation.vllm_server import ServerLaunch, VLLMServerProcess
 from ..generation.weight_sync import choose_sync_mode, vllm_max_lora_rank
 from ..options import option
 from ..peft_models import is_peft_model
+from ..trainer_part import TrainerPart
 
 PROBE_TOKENS = 8  # completion tokens appended to the probe prompt (any tokens: their log-probs are compared)
 
 
-class AsyncServerLaunchMixin:
+class AsyncServerStart(TrainerPart):
     """Part of ``AsyncGRPOTrainer``: the servers' weights format, the server it starts, and the update probe."""
 
-    def _server_sync_mode(self) -> str:
-        if not is_peft_model(self.model):
+    def sync_mode(self) -> str:
+        if not is_peft_model(self.trainer.model):
             return "full"
-        mode, _ = choose_sync_mode(self.model, option(self.args, "vllm_sync_mode"), cpu_engine=running_on_cpu_only())
+        mode, _ = choose_sync_mode(
+            self.trainer.model, option(self.trainer.args, "vllm_sync_mode"), cpu_engine=running_on_cpu_only()
+        )
         return mode
 
-    def _server_dtype(self) -> str:
-        if self.args.bf16:
+    def dtype(self) -> str:
+        if self.trainer.args.bf16:
             return "bfloat16"
-        if self.args.fp16:
+        if self.trainer.args.fp16:
             return "float16"
-        return str(self.accelerator.unwrap_model(self.model).dtype).removeprefix("torch.")
+        return str(self.trainer.accelerator.unwrap_model(self.trainer.model).dtype).removeprefix("torch.")
 
-    def _base_model_path(self) -> str:
-        model = self.accelerator.unwrap_model(self.model)
+    def base_model_path(self) -> str:
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         base = model.get_base_model() if is_peft_model(model) else model
         return base.name_or_path
 
-    def _start_server(self, sync_mode: str) -> tuple[list[str], VLLMServerProcess | None]:
-        urls = self.args.server_urls
+    def start(self, sync_mode: str) -> tuple[list[str], VLLMServerProcess | None]:
+        urls = self.trainer.args.server_urls
         process = None
         if not urls:
-            if self.accelerator.is_main_process:
+            if self.trainer.accelerator.is_main_process:
                 rank = None
                 if sync_mode == "lora":
-                    config = self.accelerator.unwrap_model(self.model).active_peft_config
+                    config = self.trainer.accelerator.unwrap_model(self.trainer.model).active_peft_config
                     rank = vllm_max_lora_rank(max([config.r, *(config.rank_pattern or {}).values()]))
                 launch = ServerLaunch(
-                    model=self._base_model_path(),
-                    dtype=self._server_dtype(),
+                    model=self.base_model_path(),
+                    dtype=self.dtype(),
                     enable_lora=sync_mode == "lora",
-                    max_loras=self.args.max_staleness + 2,
+                    max_loras=self.trainer.args.max_staleness + 2,
                     max_lora_rank=rank or 16,
-                    seed=self.args.seed,
-                    max_model_len=self.args.vllm_max_model_length,
-                    devices=self.args.vllm_server_devices,
-                    weight_transfer="nccl" if self.args.vllm_server_weight_transfer == "nccl" else None,
+                    seed=self.trainer.args.seed,
+                    max_model_len=self.trainer.args.vllm_max_model_length,
+                    devices=self.trainer.args.vllm_server_devices,
+                    weight_transfer="nccl" if self.trainer.args.vllm_server_weight_transfer == "nccl" else None,
                 )
-                process = VLLMServerProcess(launch, startup_timeout=self.args.vllm_server_timeout).start()
+                process = VLLMServerProcess(launch, startup_timeout=self.trainer.args.vllm_server_timeout).start()
                 urls = [launch.url]
-            urls = broadcast_object_list([urls])[0] if self.accelerator.num_processes > 1 else urls
+            urls = broadcast_object_list([urls])[0] if self.trainer.accelerator.num_processes > 1 else urls
         return urls, process
 
-    def _verify_tolerance(self) -> float:
-        if self.args.weight_sync_verify_tolerance is not None:
-            return self.args.weight_sync_verify_tolerance
-        return 1e-3 if self._server_dtype() == "float32" else 0.1
+    def verify_tolerance(self) -> float:
+        if self.trainer.args.weight_sync_verify_tolerance is not None:
+            return self.trainer.args.weight_sync_verify_tolerance
+        return 1e-3 if self.dtype() == "float32" else 0.1
 
-    def _probe_ids(self) -> list[int]:
+    def probe_ids(self) -> list[int]:
         """A probe sequence: the first training prompt and a few tokens (the same on every rank)."""
-        ids = self._group_prompt_ids(self.train_dataset[0])
-        vocab = self.accelerator.unwrap_model(self.model).config.vocab_size
+        ids = self.trainer.producer_feed.group_prompt_ids(self.trainer.train_dataset[0])
+        vocab = self.trainer.accelerator.unwrap_model(self.trainer.model).config.vocab_size
         return ids + [(ids[i % len(ids)] + i) % vocab for i in range(PROBE_TOKENS)]

@@ -45,51 +45,54 @@ from ..agents.tool_call_continuation import ContinuationLimits
 from ..agents.tool_runner import ToolStats, bounded_call
 from ..agents.trajectory_tokens import TurnBudget
 from ..compat import trl_trainer_state as trl_state
+from ..compat.trl_generation_call import current_generation_call, served_groups
 from ..compat.trl_tool_suffix import tool_suffix_renderer
 from ..options import option
 from ..rollout.async_producer import GroupRequest, SampledGroup
-from ..rollout.carried_values import ServedCompletionIds, groups_of
+from ..trainer_part import TrainerPart
 
 
-class AsyncToolLoopMixin:
+class ServerToolLoop(TrainerPart):
     """Part of ``AsyncGRPOTrainer`` (see the module docstring); its metrics are the tool loop's (``tool_loop.record``)."""
 
-    def _check_async_tools(self) -> None:
+    def check(self) -> None:
         """At construction: what this trainer cannot do with tools, refused by name."""
-        if not self.tools:
+        if not self.trainer.tools:
             return
-        if self.args.eval_strategy != "no":
+        if self.trainer.args.eval_strategy != "no":
             raise ValueError(
                 "AsyncGRPOTrainer with tools or an environment_factory does not evaluate yet: set eval_strategy='no' "
                 "(evaluate with GRPOTrainer on the saved model), or train without tools."
             )
-        if option(self.args, "tool_scheduling") == "lockstep":
+        if option(self.trainer.args, "tool_scheduling") == "lockstep":
             raise ValueError(
                 "tool_scheduling='lockstep' is GRPOTrainer's (TRL's loop); AsyncGRPOTrainer runs every trajectory at "
                 "its own pace on the servers. Leave tool_scheduling at 'concurrent'."
             )
-        self._environment_pools: dict[Any, list[Any]] = {}
-        self._environment_lock = threading.Lock()
-        self._tool_executor: ThreadPoolExecutor | None = None
+        self.trainer._environment_pools: dict[Any, list[Any]] = {}
+        self.trainer._environment_lock = threading.Lock()
+        self.trainer._tool_executor: ThreadPoolExecutor | None = None
 
-    def _tool_group_sampler(self, client: Any) -> ServerToolGroupSampler:
+    def group_sampler(self, client: Any) -> ServerToolGroupSampler:
         """The producer's sampler of whole trajectories (``agents.server_tool_sampler``)."""
-        tokenizer = self._producer_tokenizer  # the producer's own copy: tokenizers are not thread-safe
-        self._tool_executor = ThreadPoolExecutor(max_workers=MAX_TOOL_THREADS, thread_name_prefix="trlx-scale-tool")
+        tokenizer = self.trainer._producer_tokenizer  # the producer's own copy: tokenizers are not thread-safe
+        self.trainer._tool_executor = ThreadPoolExecutor(
+            max_workers=MAX_TOOL_THREADS, thread_name_prefix="trlx-scale-tool"
+        )
         context = served_context(client)
         limits = ContinuationLimits(
-            max_completion_length=self.max_completion_length,
+            max_completion_length=self.trainer.max_completion_length,
             max_model_len=context,
-            max_tool_calling_iterations=self.max_tool_calling_iterations,
-            max_turn_tokens=option(self.args, "max_turn_tokens"),
+            max_tool_calling_iterations=self.trainer.max_tool_calling_iterations,
+            max_turn_tokens=option(self.trainer.args, "max_turn_tokens"),
         )
         fit = None
-        if option(self.args, "max_tool_response_tokens") is not None:
+        if option(self.trainer.args, "max_tool_response_tokens") is not None:
             budget = TurnBudget(
                 max_completion_length=limits.max_completion_length,
                 max_model_len=limits.max_model_len,
-                max_tool_response_tokens=option(self.args, "max_tool_response_tokens"),
-                tool_response_overflow=option(self.args, "tool_response_overflow"),
+                max_tool_response_tokens=option(self.trainer.args, "max_tool_response_tokens"),
+                tool_response_overflow=option(self.trainer.args, "tool_response_overflow"),
             )
 
             def fit(message):
@@ -97,55 +100,60 @@ class AsyncToolLoopMixin:
 
         return ServerToolGroupSampler(
             client,
-            tools_for=self._trajectory_tools,
+            tools_for=self.trajectory_tools,
             parse=lambda ids, held, schema: parse_response(tokenizer, ids, prefix=held, tools=schema),
-            suffix_ids=tool_suffix_renderer(self, tokenizer),
+            suffix_ids=tool_suffix_renderer(self.trainer, tokenizer),
             limits=limits,
-            eos_token_ids=self.eos_token_ids,
-            tool_timeout=option(self.args, "tool_timeout"),
-            executor=self._tool_executor,
+            eos_token_ids=self.trainer.eos_token_ids,
+            tool_timeout=option(self.trainer.args, "tool_timeout"),
+            executor=self.trainer._tool_executor,
             fit_tool_message=fit,
-            prefix_mismatch_at=self.tool_loop.template_prefix_check(tokenizer),
-            prefix_mismatch=option(self.args, "prefix_mismatch"),
+            prefix_mismatch_at=self.trainer.tool_loop.template_prefix_check(tokenizer),
+            prefix_mismatch=option(self.trainer.args, "prefix_mismatch"),
         )
 
     # ---------------------------------------------------------------- the producer's thread
-    async def _trajectory_tools(self, request: GroupRequest) -> list[TrajectoryTools]:
+    async def trajectory_tools(self, request: GroupRequest) -> list[TrajectoryTools]:
         """Each trajectory's tools: the standalone ones, plus the methods of an environment of its own, drawn from the
         producer's pool and reset for the group's row off the event loop's thread (``tool_timeout`` bounds it)."""
         row = request.prompt["row"]
         count = request.num_generations
-        if self.environment_factories is None:
-            functions = {tool.__name__: tool for tool in trl_state.standalone_tools(self)}
-            return [TrajectoryTools(functions, self.tools) for _ in range(count)]
-        name = row.get("environment") if trl_state.multi_environment(self) else None
-        if name not in self.environment_factories:
+        if self.trainer.environment_factories is None:
+            functions = {tool.__name__: tool for tool in trl_state.standalone_tools(self.trainer)}
+            return [TrajectoryTools(functions, self.trainer.tools) for _ in range(count)]
+        name = row.get("environment") if trl_state.multi_environment(self.trainer) else None
+        if name not in self.trainer.environment_factories:
             raise ValueError(
                 f"Example has `environment={name!r}`, which is not among the environments passed to "
-                f"`environment_factory`. Expected one of: {list(self.environment_factories)}."
+                f"`environment_factory`. Expected one of: {list(self.trainer.environment_factories)}."
             )
         reset_kwargs = (
-            {k: v for k, v in row.items() if k != "environment"} if trl_state.multi_environment(self) else row
+            {k: v for k, v in row.items() if k != "environment"} if trl_state.multi_environment(self.trainer) else row
         )
-        environments = [self._acquire_environment(name) for _ in range(count)]
+        environments = [self.acquire_environment(name) for _ in range(count)]
         owned = [
             TrajectoryTools(
-                self._environment_functions(env), trl_state.environment_tool_schemas(self, name), env, name
+                self.environment_functions(env), trl_state.environment_tool_schemas(self.trainer, name), env, name
             )
             for env in environments
         ]
         try:
             observations = await asyncio.gather(
                 *(
-                    bounded_call(env.reset, self._tool_executor, option(self.args, "tool_timeout"), **reset_kwargs)
+                    bounded_call(
+                        env.reset,
+                        self.trainer._tool_executor,
+                        option(self.trainer.args, "tool_timeout"),
+                        **reset_kwargs,
+                    )
                     for env in environments
                 )
             )
         except BaseException:
-            self._release_environments(owned)
+            self.release_environments(owned)
             raise
         if any(observation is not None for observation in observations):
-            self._release_environments(owned)
+            self.release_environments(owned)
             raise ValueError(
                 f"{type(environments[0]).__name__}.reset returned an observation: AsyncGRPOTrainer samples a group's "
                 "prompt once for its trajectories, before any environment is drawn. Put the task in the dataset's "
@@ -153,64 +161,68 @@ class AsyncToolLoopMixin:
             )
         return owned
 
-    def _environment_functions(self, environment: Any) -> dict[str, Any]:
+    def environment_functions(self, environment: Any) -> dict[str, Any]:
         """TRL's rule: the standalone tools and the environment's public methods but ``reset`` and ``get_reward``."""
         methods = [
             getattr(environment, member)
             for member, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
             if member not in ("reset", "get_reward") and not member.startswith("_")
         ]
-        return {tool.__name__: tool for tool in [*trl_state.standalone_tools(self), *methods]}
+        return {tool.__name__: tool for tool in [*trl_state.standalone_tools(self.trainer), *methods]}
 
-    def _acquire_environment(self, name: Any) -> Any:
-        with self._environment_lock:
-            pool = self._environment_pools.setdefault(name, [])
+    def acquire_environment(self, name: Any) -> Any:
+        with self.trainer._environment_lock:
+            pool = self.trainer._environment_pools.setdefault(name, [])
             if pool:
                 return pool.pop()
-        return self.environment_factories[name]()  # "construct once, reset often": the pool grows to what is in flight
+        return self.trainer.environment_factories[
+            name
+        ]()  # "construct once, reset often": the pool grows to what is in flight
 
-    def _release_environments(self, owned: Sequence[TrajectoryTools]) -> None:
-        with self._environment_lock:
+    def release_environments(self, owned: Sequence[TrajectoryTools]) -> None:
+        with self.trainer._environment_lock:
             for tools in owned:
                 if tools.environment is not None:
-                    self._environment_pools.setdefault(tools.environment_name, []).append(tools.environment)
+                    self.trainer._environment_pools.setdefault(tools.environment_name, []).append(tools.environment)
 
-    def _tool_group_reward_inputs(self, sampled: SampledGroup) -> tuple[list, dict[str, Any]]:
+    def group_reward_inputs(self, sampled: SampledGroup) -> tuple[list, dict[str, Any]]:
         """What a tool group's reward functions get beside TRL's columns: the conversations after the prompt, and the
         producer's environments when there are any (TRL's ``environments`` argument)."""
         owned = sampled.extras[TRAJECTORY_TOOLS]
-        extra = {"environments": [tools.environment for tools in owned]} if self.environment_factories else {}
+        extra = {"environments": [tools.environment for tools in owned]} if self.trainer.environment_factories else {}
         return list(sampled.completions), extra
 
-    def _tool_group_scored(self, sampled: SampledGroup) -> None:
+    def group_scored(self, sampled: SampledGroup) -> None:
         """After scoring: the environments go back to the pool and out of the group (a checkpoint keeps groups)."""
-        self._release_environments(sampled.extras.pop(TRAJECTORY_TOOLS, []))
+        self.release_environments(sampled.extras.pop(TRAJECTORY_TOOLS, []))
 
     # ---------------------------------------------------------------- the trainer's thread: TRL's hooks
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def first_turns(
+        self, base_generate, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):
         """TRL's first turn: the producer's first turns (TRL parses them); the rest is in ``_tool_call_loop``."""
-        result = super()._generate_single_turn(
-            prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
-        )
-        if not self.tools or not self.model.training:
+        result = base_generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images)
+        if not self.trainer.tools or not self.trainer.model.training:
             return result
-        groups = groups_of(result[0], "TRL's _generate_single_turn")
+        call = current_generation_call()
+        groups = served_groups(None if call is None else call.groups, "TRL's _generate_single_turn")
         extras = [group.sampled.extras for group in groups]
         return (
-            ServedCompletionIds([ids for extra in extras for ids in extra[FIRST_TURN_IDS]], groups),
+            [ids for extra in extras for ids in extra[FIRST_TURN_IDS]],
             [values for extra in extras for values in extra[FIRST_TURN_LOGPROBS]],
         )
 
-    def _resets_trl_environments(self) -> bool:
+    def resets_trl_environments(self) -> bool:
         # Training rollouts are the producer's, with environments of its own reset off the trainer's thread: TRL's
         # instances go unused, so they are not reset (agents.environment_resets).
-        return not self.model.training
+        return not self.trainer.model.training
 
-    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+    def tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         """The producer's finished trajectories, in TRL's loop's return shape."""
-        if not self.model.training:
+        if not self.trainer.model.training:
             raise RuntimeError("AsyncGRPOTrainer does not evaluate with tools (refused at construction).")
-        scored = groups_of(completion_ids, "TRL's first turn (_generate_single_turn)")
+        call = current_generation_call()
+        scored = served_groups(None if call is None else call.groups, "TRL's first turn (_generate_single_turn)")
         groups = [group.sampled for group in scored]
         first = [ids for group in groups for ids in group.extras[FIRST_TURN_IDS]]
         if [list(ids) for ids in completion_ids] != first:
@@ -219,26 +231,26 @@ class AsyncToolLoopMixin:
         for group in groups:
             stats.merge(tool_stats(group.extras))
         summaries = [summary for group in groups for summary in trajectory_summaries(group.extras)]
-        self.tool_loop.record(stats, summaries, None, {}, "train")
+        self.trainer.tool_loop.record(stats, summaries, None, {}, "train")
         # Full weights: a reload between two turns of a trajectory (the later ones sampled by the newer version).
         crossed = [len(set(summary.turn_versions)) > 1 for summary in summaries]
-        trl_state.metrics(self, "train")["async/trajectories_across_versions_frac"].append(
+        trl_state.metrics(self.trainer, "train")["async/trajectories_across_versions_frac"].append(
             sum(crossed) / max(len(crossed), 1)
         )
         return (
             [mask for group in groups for mask in group.extras[TOOL_MASKS]],
             [list(messages) for group in groups for messages in group.completions],
-            ServedCompletionIds([ids for group in groups for ids in group.completion_ids], scored),
+            [ids for group in groups for ids in group.completion_ids],
             None if logprobs is None else [values for group in groups for values in group.logprobs],
             sum(summary.tool_calls for summary in summaries),
             sum(summary.tool_failures for summary in summaries),
             [[] for _ in summaries],
         )
 
-    def _close_tools(self) -> None:
-        if getattr(self, "_tool_executor", None) is not None:
-            self._tool_executor.shutdown(wait=False, cancel_futures=True)  # a timed-out tool's thread runs on
-            self._tool_executor = None
+    def close(self) -> None:
+        if getattr(self.trainer, "_tool_executor", None) is not None:
+            self.trainer._tool_executor.shutdown(wait=False, cancel_futures=True)  # a timed-out tool's thread runs on
+            self.trainer._tool_executor = None
 
 
 def served_context(client: Any) -> int:

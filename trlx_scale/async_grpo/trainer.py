@@ -40,7 +40,6 @@ colocated engine's (the run's seed, the step, the group's global row and its pro
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -50,25 +49,26 @@ from accelerate.utils import gather
 
 from ..agents.gym_rollout import GymRollout
 from ..compat import trl_trainer_state as trl_state
+from ..compat.trl_generation_call import served_groups
+from ..compat.trl_init_config import config_for_trl_init
 from ..generation.colocated_engine_setup import check_vllm_only_options
 from ..generation.server_generation import ServerGeneration
 from ..grpo.trainer import GRPOTrainer
 from ..rollout.batch import RolloutBatch
-from ..rollout.carried_values import groups_of
 from ..rollout.collector import RolloutSamples
 from ..rollout.policy_version import RolloutPolicyVersions
 from ..rollout.prompt_stream import RankPromptStream
 from ..rollout.reward_logs import REWARD_LOG_KEY, replay_reward_logs
 from ..rollout.reward_processes import send_reward_functions_to_processes
 from ..rollout.staleness import StalenessSchedule
-from .behaviour_metrics import AsyncBehaviourMetricsMixin
+from .behaviour_metrics import BehaviourMetrics
 from .checkpoint_window import RolloutWindowCheckpoint
 from .config import AsyncGRPOConfig
-from .gym_rollout import AsyncGymRolloutMixin
-from .producer_feed import AsyncProducerFeedMixin
-from .server_engine import AsyncServerEngineMixin
-from .server_launch import AsyncServerLaunchMixin
-from .tool_loop import AsyncToolLoopMixin
+from .gym_rollout import ServerGymRollout
+from .producer_feed import ProducerFeed
+from .server_engine import AsyncEngineBuilder
+from .server_launch import AsyncServerStart
+from .tool_loop import ServerToolLoop
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -82,15 +82,7 @@ if TYPE_CHECKING:
     )
 
 
-class AsyncGRPOTrainer(
-    AsyncServerEngineMixin,
-    AsyncGymRolloutMixin,
-    AsyncToolLoopMixin,
-    AsyncServerLaunchMixin,
-    AsyncProducerFeedMixin,
-    AsyncBehaviourMetricsMixin,
-    GRPOTrainer,
-):
+class AsyncGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` with asynchronous generation on vLLM servers (see the module docstring). Same constructor;
     ``args`` is an ``AsyncGRPOConfig``; reward functions are callables (TRL's signature, sync or async)."""
 
@@ -138,10 +130,16 @@ class AsyncGRPOTrainer(
                     "(TRL's signature, sync or async); load a reward model inside a function to use one."
                 )
         # TRL builds its own vLLM client when use_vllm is on (for TRL's `trl vllm-serve`): it is handed a copy that
-        # says use_vllm=False (the caller's object is never changed), and the server engine is built at the first
-        # rollout, when the resume point is known.
-        trl_args = copy.copy(args)
-        trl_args.use_vllm = False
+        # says use_vllm=False, and the server engine is built at the first rollout, when the resume point is known.
+        trl_args = config_for_trl_init(args, use_vllm=False)
+        # Its parts (each holds the trainer weakly): the servers it starts, the engine built at the first rollout,
+        # what the producer calls back for, its tool trajectories and gym episodes, the behaviour metrics.
+        self.server_start = AsyncServerStart(self)
+        self.engine_builder = AsyncEngineBuilder(self)
+        self.producer_feed = ProducerFeed(self)
+        self.server_tools = ServerToolLoop(self)
+        self.server_gym = ServerGymRollout(self)
+        self.behaviour = BehaviourMetrics(self)
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
@@ -161,8 +159,8 @@ class AsyncGRPOTrainer(
         self.args.use_vllm = True
         self.use_vllm = True
         check_vllm_only_options(self)
-        self._check_async_tools()
-        self._check_async_gym()
+        self.server_tools.check()
+        self.server_gym.check()
         # TRL's list, with GRPOTrainer's guard around each synchronous function (reward_errors, non-finite rewards),
         # whose function runs in a worker process under async_reward_processes.
         self._async_reward_funcs = list(self.reward_funcs)
@@ -185,17 +183,45 @@ class AsyncGRPOTrainer(
         self._rollout_policy_versions = RolloutPolicyVersions()
         self._inside_train = False  # evaluate() outside train() closes what it started
 
-    # ---------------------------------------------------------------- the engine (built by AsyncServerEngineMixin)
+    # ---------------------------------------------------------------- the engine (built by engine_builder)
     def _rollout_engine(self):
         return self.vllm_generation
+
+    # ---------------------------------------------------------------- GRPOTrainer's seams and TRL's hooks
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        return self.server_tools.first_turns(
+            super()._generate_single_turn,
+            prompt_ids,
+            images,
+            multimodal_fields,
+            num_generations,
+            has_tool_images=has_tool_images,
+        )
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        return self.server_tools.tool_call_loop(
+            prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+        )
+
+    def _resets_trl_environments(self) -> bool:
+        return self.server_tools.resets_trl_environments()
+
+    def _gym_rollout(self, gym, prompts: list) -> dict[str, list]:
+        return self.server_gym.rollout(gym, prompts)
+
+    def _sequence_weight_normalisation(self) -> str:
+        return self.behaviour.sequence_weight_normalisation()
+
+    def _deferred_correction(self, logps, inputs: dict) -> None:
+        self.behaviour.deferred_correction(super()._deferred_correction, logps, inputs)
 
     # ---------------------------------------------------------------- the rollout
     def _generate_and_score_completions(self, inputs):
         if self.vllm_generation is None:
-            self.vllm_generation = self._build_server_engine()
+            self.vllm_generation = self.engine_builder.build()
             if self._reward_processes is not None:
                 self._reward_processes.open()  # closed with the last engine
-        rollout = self._current_rollout()
+        rollout = self.producer_feed.current_rollout()
         # Evaluation, after step k: rollout k's weights are the trainer's current ones, sent now rather than at the
         # next rollout (the schedule is a function of the group alone: only the timing moves).
         self.vllm_generation.ensure_version(rollout, wait=not self.model.training)
@@ -206,7 +232,7 @@ class AsyncGRPOTrainer(
             mask = output["completion_mask"]
             if "tool_mask" in output:  # tool results were not sampled: no behaviour log-prob to compare
                 mask = mask * output["tool_mask"]
-            self._log_behaviour(output["old_per_token_logps"], output["sampling_per_token_logps"], mask)
+            self.behaviour.log(output["old_per_token_logps"], output["sampling_per_token_logps"], mask)
         return output
 
     def _rollout_has_images(self, inputs) -> bool:
@@ -215,13 +241,13 @@ class AsyncGRPOTrainer(
 
     def _sample_rollout(self, prompts, rows) -> RolloutSamples:
         """TRL's driver took the producer's next groups from the server engine (``take_groups``): the samples are
-        those groups (carried on the completion-id list, ``rollout.carried_values``), each row with the policy
+        those groups (recorded in the generation call, ``compat.trl_generation_call``), each row with the policy
         version that sampled it (and each token with its own under ``full_weight_reload="keep"``). Evaluation's
         completions were sampled now, outside the producer."""
         samples = super()._sample_rollout(prompts, rows)
         if not self.model.training:
             return samples
-        groups = groups_of(samples.completion_ids, "TRL's _generate")
+        groups = served_groups(samples.groups, "TRL's _generate")
         sampled = [ids for group in groups for ids in group.sampled.completion_ids]
         if [list(ids) for ids in samples.completion_ids] != [list(ids) for ids in sampled]:
             raise RuntimeError("the completions TRL returned are not the producer's (the rollout's order changed).")
@@ -302,5 +328,5 @@ class AsyncGRPOTrainer(
             self._reward_scorer.close()
             if self._reward_processes is not None:
                 self._reward_processes.close()  # reopened with the next engine
-            self._close_tools()
+            self.server_tools.close()
             self.vllm_generation = None  # a later train() builds a new one

@@ -14,6 +14,11 @@ The fix is to run that collection at a moment of our choosing: right before an e
 engine has shut down before the new one creates its groups. ``gc.unfreeze()`` first, since a frozen cycle is never
 collected; the new engine freezes the heap again at the end of its own start-up, so vLLM's optimisation is kept.
 
+A trainer that holds no cycle (its parts hold it weakly) is freed the moment its last reference goes, which can be
+after a second trainer's engine started (``trainer = GRPOTrainer(...)`` twice: the first is dropped only once the
+second is built). Its engine would then shut down at once, under the live one. So the engine is parked when its owner
+is freed (``retire_when_dropped``) and shut down with the other dropped ones, before the next engine is built.
+
 The same finalizer is also what ``in_process_engine_finalizer`` finds, for a process that is leaving
 (``process_exit.exit_process``): there the shutdown only frees memory and resets groups inside a process about to
 end, and it costs 2-4 s (``gc.unfreeze()`` and two full collections over the whole heap), so the colocated engine
@@ -31,12 +36,21 @@ from __future__ import annotations
 import gc
 import weakref
 
+_RETIRED: list = []  # engines whose owner was freed, kept until the next engine is built
+
+
+def retire_when_dropped(owner: object, engine: object) -> None:
+    """When ``owner`` is freed, park ``engine`` (vLLM's ``LLM``) instead of letting it shut down there and then."""
+    weakref.finalize(owner, _RETIRED.append, engine)
+
 
 def finalize_dropped_engines() -> int:
-    """Collect unreachable objects, frozen ones included, so the engines among them shut down now.
+    """Collect unreachable objects, frozen ones included, so the engines among them (and the parked ones) shut down
+    now.
 
     Returns the number of objects the collection found unreachable.
     """
+    _RETIRED.clear()
     gc.unfreeze()
     return gc.collect()
 

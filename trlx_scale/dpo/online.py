@@ -12,7 +12,6 @@ run logs and scores as the uninterrupted one.
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,26 +25,23 @@ from ..options import option
 from ..reliability.reward_guard import raise_reward_errors
 from ..rollout.collector import RolloutCollector, RolloutSamples
 from ..rollout.reward_scoring import ConcurrentRewardScorer
+from ..trainer_part import TrainerPart
 from .online_pair_balance import balance_pairs, tie_pair_loss
 from .preference_pairs import best_worst_pairs
 
 logger = logging.get_logger(__name__)
 
 
-class OnlineDPO:
+class OnlineDPO(TrainerPart):
     """``DPOTrainer``'s online rounds (``online``; see the module docstring): its overrides of TRL's dataset
     preparation and of the training step, and the rollout collector's stages, delegate here."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
+        super().__init__(trainer)
         self._online_scorer: ConcurrentRewardScorer | None = None  # built at the first online round
         # The step's loss correction for the pairs dealt to the ranks (dpo/online_pair_balance.py), read by the
         # trainer's loss during the step that set them: a scale of the mean, and the tie pairs' constant.
         self.loss_scale, self.loss_offset = 1.0, 0.0
-
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
 
     def close(self) -> None:
         """The scorer's threads live only as long as a run (a later train() starts them again)."""

@@ -16,7 +16,6 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from ..compat.vllm_cpu_lora_scoring import scoring_sync_mode
-from ..generation.colocated_engine_setup import policy_version_of
 from ..generation.cpu_environment import running_on_cpu_only
 from ..generation.engine import RolloutEngine, build_engine
 from ..peft_models import is_peft_model
@@ -44,7 +43,7 @@ def build_dpo_engine(trainer: Any) -> RolloutEngine:
         model=trainer.model,
         accelerator=trainer.accelerator,
         processing_class=trainer.processing_class,
-        policy_version=policy_version_of(trainer),
+        policy_version=trainer.policy.current,
         phase_timer=trainer.phase_timer,  # its weight syncs are their own phase
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_model_length=max_model_length,

@@ -18,10 +18,8 @@ here), the online rounds in ``dpo.online`` (``OnlineDPO``); this file holds the 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +31,7 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from ..atomic_files import write_text_atomically
 from ..compat import trl_trainer_state as trl_state
+from ..compat.trl_init_config import config_for_trl_init
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.engine import RolloutEngine
 from ..hub.secrets import check_tracker_uploads
@@ -50,6 +49,7 @@ from ..reliability.input_checks import (
 from ..reliability.reward_guard import guard_reward_functions
 from ..rollout.collector import RolloutSamples
 from ..trainer_features import TrainerFeatures
+from ..trainer_part import TrainerPart
 from .config import DPOConfig
 from .online import OnlineDPO, keep_examples
 from .online_pair_balance import check_multi_process_online_loss
@@ -128,17 +128,17 @@ class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
         if option(args, "uses_engine"):
             configure_vllm_cpu_environment(args.vllm_cpu_kvcache_space)
         padding_free = option(args, "padding_free")
+        switched = {}
         if args is not None and hasattr(args, "padding_free"):
-            # TRL 1.16 reads its own padding_free (a bool) in __init__ and warns that it is disabled: TRL is handed a
-            # copy that says False (the caller's object is never changed); ours is read through self.args later.
-            args = copy.copy(args)
-            args.padding_free = False
+            # TRL 1.16 reads its own padding_free (a bool) in __init__ and warns that it is disabled: TRL's copy
+            # says False; ours is read through self.args later.
+            switched["padding_free"] = False
         if self._online:
-            # Prompt-only rows reach training_step untouched (the reward functions read their extra columns); set
-            # on a copy, never on the caller's config.
-            args = copy.copy(args)
-            args.remove_unused_columns = False
+            # Prompt-only rows reach training_step untouched (the reward functions read their extra columns).
+            switched["remove_unused_columns"] = False
             data_collator = data_collator or keep_examples
+        if switched:
+            args = config_for_trl_init(args, **switched)
         super().__init__(
             model=model,
             ref_model=ref_model,
@@ -281,15 +281,15 @@ class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
 DPO_STATE_NAME = "dpo_state.json"
 
 
-class DPOTokenCountPart:
+class DPOTokenCountPart(TrainerPart):
     """``DPOTrainer``'s checkpoint part (``reliability.checkpoint_parts``): TRL counts the trained tokens (the logged
     ``num_tokens``) in an attribute no checkpoint holds."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)
+        super().__init__(trainer)
 
     def save(self, checkpoint_dir: str) -> None:
-        trainer = self._trainer()
+        trainer = self.trainer
         if trainer.args.should_save:
             write_text_atomically(
                 os.path.join(checkpoint_dir, DPO_STATE_NAME),
@@ -300,4 +300,4 @@ class DPOTokenCountPart:
         path = os.path.join(checkpoint_dir, DPO_STATE_NAME)
         if os.path.isfile(path):
             with open(path) as handle:
-                trl_state.set_total_train_tokens(self._trainer(), json.load(handle)["total_train_tokens"])
+                trl_state.set_total_train_tokens(self.trainer, json.load(handle)["total_train_tokens"])

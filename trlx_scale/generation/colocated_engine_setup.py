@@ -8,7 +8,6 @@ it, inside the ``generation`` phase (with the optimizer's states offloaded meanw
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,7 @@ def build_colocated_engine(trainer: Any) -> RolloutEngine:
         model=trainer.model,
         accelerator=trainer.accelerator,
         processing_class=trainer.processing_class,
-        policy_version=policy_version_of(trainer),
+        policy_version=trainer.policy.current,
         phase_timer=trainer.phase_timer,  # its weight syncs are their own phase
         structured_outputs_regex=args.vllm_structured_outputs_regex,
         tensor_parallel_size=args.vllm_tensor_parallel_size,
@@ -82,14 +81,3 @@ def generate_single_turn(trainer: Any, base_generate: Callable, prompt_ids, *arg
         for name, value in engine.pop_metrics().items():
             metrics[name].append(value)
     return result
-
-
-def policy_version_of(trainer: Any) -> Callable[[], int]:
-    """The engine's view of the trainer's policy version, holding the trainer weakly (no trainer <-> engine cycle:
-    see profiling's _StepClock)."""
-    ref = weakref.ref(trainer)
-
-    def current() -> int:
-        return ref().policy_version
-
-    return current

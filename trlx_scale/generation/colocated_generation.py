@@ -38,7 +38,7 @@ from trl.import_utils import is_vllm_available
 from trl.trainer.utils import ensure_master_addr_port
 
 from ..compat import trl_trainer_state as trl_state
-from ..compat.vllm_engine_finalizers import finalize_dropped_engines, in_process_engine_finalizer
+from ..compat.vllm_engine_finalizers import finalize_dropped_engines, in_process_engine_finalizer, retire_when_dropped
 from ..compat.vllm_weight_reload import tied_weight_aliases, with_tied_aliases
 from ..peft_models import is_peft_model
 from ..process_exit import skip_at_exit
@@ -208,6 +208,7 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         shutdown = in_process_engine_finalizer(engine)
         if shutdown is not None:  # a process leaving through process_exit need not tidy its own memory (2-4 s)
             skip_at_exit(shutdown)
+        retire_when_dropped(self, engine)  # shut down before the next engine starts, not under a live one
         self.llm = GroupedLLM(engine)
         self.transport = InProcessTransport(self.llm)
         self.lifecycle = EngineLifecycle(

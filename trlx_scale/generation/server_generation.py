@@ -13,9 +13,8 @@
    carries the tag of weights that did not sample it (``full_weight_reload="drain"``), or keeps them in flight at
    the servers, which tag every token with the version that sampled it (``"keep"``).
 2. Completions (``generate``): TRL's call for a rollout takes the producer's next groups, checks that their prompts
-   are the ones TRL tokenized, and returns them in TRL's shape, the groups riding on the completion-id list
-   (``rollout.carried_values.ServedCompletionIds``) to the trainer's sampling stage, for the rewards, policy versions
-   and tool trajectories the producer computed. An evaluation rollout's prompts are sampled at once instead, by the version
+   are the ones TRL tokenized, and returns them in TRL's shape; the groups reach the trainer's sampling stage through the generation call
+   (``compat.trl_generation_call``), for the rewards, policy versions and tool trajectories the producer computed. An evaluation rollout's prompts are sampled at once instead, by the version
    served, seeded as the colocated engine seeds them.
 
 Gathering weights is a collective under ZeRO-3, so every rank runs ``ensure_version``; the main process alone
@@ -38,11 +37,11 @@ from typing import Any
 
 import torch
 
+from ..compat.trl_generation_call import record_served_groups
 from ..compat.vllm_cpu_lora_scoring import lora_breaks_prompt_logprobs
 from ..profiling.phase_timer import PhaseTimer
 from ..reliability.rank_agreement import failing_together
 from ..rollout.async_producer import GroupRequest, RolloutProducer, RolloutProducerError, ScoredGroup
-from ..rollout.carried_values import ServedCompletionIds
 from ..rollout.staleness import StalenessSchedule
 from .background_delivery import BackgroundDelivery
 from .cpu_environment import running_on_cpu_only
@@ -395,7 +394,7 @@ class ServerGeneration:
         if self._seed_context is not None and self._seed_context.mode == "eval":
             return self._generate_for_evaluation(prompts, num_generations)
         groups = self.take_groups(len(prompts) // num_generations, prompts[::num_generations])
-        completion_ids = ServedCompletionIds([ids for group in groups for ids in group.sampled.completion_ids], groups)
+        completion_ids = [ids for group in groups for ids in group.sampled.completion_ids]
         logprobs = [[[value] for value in values] for group in groups for values in group.sampled.logprobs]
         return list(prompts), completion_ids, logprobs, None
 
@@ -422,6 +421,7 @@ class ServerGeneration:
                     )
         for name, value in self.producer.pop_metrics().items():
             self._step_metrics[name] = value
+        record_served_groups(groups)  # for the trainer's sampling stage (compat.trl_generation_call)
         return groups
 
     def _generate_for_evaluation(self, prompts, num_generations):

@@ -8,7 +8,6 @@ trainer's seams (vLLM's correction from the loss pass, GSPO-token's shift: ``grp
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,20 +18,17 @@ from ..passes import LogProbPass, PackedPass, PaddedPass, PassRequest, PassResul
 from ..passes.prefix_tree import PrefixTreePass, tree_is_cheaper
 from ..passes.shared_prefix import all_ranks_can_share, unsupported_reason
 from ..peft_models import is_peft_model
+from ..trainer_part import TrainerPart
 
 
-class LogProbPasses:
+class LogProbPasses(TrainerPart):
     """``GRPOTrainer``'s component (``logprob_passes``): the pass each batch runs, the shared-prefix decision, and
     what a pass leaves in the profile and the logs."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
+        super().__init__(trainer)
         self.shared_prefix_decision: bool | None = None  # decided at the first pass
         self.shared_prefix_off_reason: str | None = None
-
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
 
     def choose(self, model, request: PassRequest, padded_forward: Callable) -> LogProbPass:
         """The pass for this batch: the run's choices (``padding_free``, ``shared_prefix``, each decided once at the

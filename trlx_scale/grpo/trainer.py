@@ -43,7 +43,9 @@ from ..agents.colocated_tool_loop import ColocatedToolLoop
 from ..agents.environment_resets import rollout_prompts
 from ..agents.gym_rollout import GymRollout
 from ..compat import trl_trainer_state as trl_state
-from ..compat.trl_loss_pass import loss_pass_batch, loss_pass_of
+from ..compat.trl_generation_call import generation_call
+from ..compat.trl_init_config import config_for_trl_init
+from ..compat.trl_loss_pass import current_loss_pass, loss_pass_of
 from ..generation.colocated_engine_setup import build_colocated_engine, check_vllm_only_options, generate_single_turn
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.engine import RolloutEngine
@@ -55,7 +57,6 @@ from ..reliability.input_checks import GRPO_COLUMNS, check_dataset_columns, chec
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
 from ..reliability.rollout_buffer_state import RolloutBufferPart
 from ..rollout.batch import RolloutBatch
-from ..rollout.carried_values import RolloutPrompts
 from ..rollout.collector import RolloutCollector, RolloutSamples
 from ..rollout.rank_balance_step import RankBalance
 from ..rollout.reward_scoring import TRL_REWARD_INPUTS, rollout_reward_scorer
@@ -90,9 +91,6 @@ class GRPOTrainer(
     """
 
     _tag_names = ["trl", "grpo", "trlx-scale"]
-    # Whether this trainer's ``_gym_rollout`` resets environments from the rows (AsyncGRPOTrainer's producer does
-    # that itself, so there the rows TRL would deep-copy go unread).
-    _gym_rollout_reads_rows = True
 
     def __init__(
         self,
@@ -120,10 +118,8 @@ class GRPOTrainer(
         if colocate:
             configure_vllm_cpu_environment(option(args, "vllm_cpu_kvcache_space"))
             # TRL creates its own engine eagerly in __init__ and two engines must never start: TRL is handed a copy
-            # of the config that says use_vllm=False (the caller's object is never changed), and our engine is
-            # built right after (see build_colocated_engine).
-            args = copy.copy(args)
-            args.use_vllm = False
+            # of the config that says use_vllm=False, and our engine is built right after (build_colocated_engine).
+            args = config_for_trl_init(args, use_vllm=False)
         check_train_dataset(train_dataset)
         check_dataset_columns(train_dataset, GRPO_COLUMNS, type(self).__name__)
         check_dataset_columns(eval_dataset, GRPO_COLUMNS, type(self).__name__, "eval_dataset")
@@ -211,11 +207,13 @@ class GRPOTrainer(
         return True
 
     def _sample_rollout(self, prompts: list, rows: list[dict[str, Any]]) -> RolloutSamples:
-        """The collector's sampling stage: TRL's generation driver ``_generate`` on the rollout's prompts, which carry
-        their rows to a ``GymRollout`` (only there: TRL deep-copies the list it is given, rows included)."""
-        if isinstance(self.rollout_func, GymRollout) and self._gym_rollout_reads_rows:
-            prompts = RolloutPrompts(prompts, rows)
-        return RolloutSamples(*self._generate(prompts))
+        """The collector's sampling stage: TRL's generation driver ``_generate`` on the rollout's prompts, inside a
+        generation call that carries their rows (to a ``GymRollout``) and collects the groups a server engine hands
+        out (``compat.trl_generation_call``)."""
+        with generation_call(rows) as call:
+            samples = RolloutSamples(*self._generate(prompts))
+        samples.groups = call.groups or None
+        return samples
 
     def _gym_rollout(self, gym: GymRollout, prompts: list) -> dict[str, list]:
         """What ``GymRollout`` (TRL's ``rollout_func``) calls: its episodes on this trainer's engine."""
@@ -348,10 +346,11 @@ class GRPOTrainer(
             result = passes.run(model, request)
         self.logprob_passes.record(result, training)
         logps = result.logps
-        batch = loss_pass_batch()  # the loss pass's micro-batch, inside TRL's _compute_loss
-        if batch is not None:
-            self._deferred_correction(logps, batch)  # from the raw log-probs, before any seam
-            logps = self._postprocess_loss_logps(logps, batch)
+        loss_pass = current_loss_pass()  # inside TRL's _compute_loss: the micro-batch, where its log-probs go too
+        if loss_pass is not None:
+            loss_pass.logps = logps.detach()
+            self._deferred_correction(logps, loss_pass.batch)  # from the raw log-probs, before any seam
+            logps = self._postprocess_loss_logps(logps, loss_pass.batch)
         return logps, result.entropies, result.aux_loss
 
     def _compute_loss(self, model, inputs):

@@ -20,15 +20,15 @@ import copy
 import os
 import shutil
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from transformers.utils import logging
 
 from ..options import option
 from ..reliability.sharded_checkpoint import consolidated_model_state, uses_sharded_fsdp_checkpoints
+from ..trainer_part import TrainerPart
 from .model_card import trlx_scale_card_section
 from .secrets import check_folder_has_no_secrets, known_secrets, write_training_args
 
@@ -96,17 +96,10 @@ def with_retries(call: Callable[[], T], what: str, retries: int, backoff_s: floa
     raise AssertionError("unreachable")
 
 
-class HubPush:
+class HubPush(TrainerPart):
     """The trainer's Hub push (``trlx_scale.trainer_features`` builds it; its overrides of transformers' Hub methods
     delegate here). Reads ``push_merged``, ``hub_push_retries`` and ``hub_push_backoff_s`` from the config (defaults
     when it is a plain TRL config)."""
-
-    def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
-
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
 
     def _hub_api(self):
         from huggingface_hub import HfApi

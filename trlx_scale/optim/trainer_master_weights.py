@@ -6,22 +6,22 @@ A trainer holds one ``MasterWeights`` (``trlx_scale.trainer_features`` builds it
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
 from ..options import option
+from ..trainer_part import TrainerPart
 from .master_weights import FP32MasterAdamW, cast_for_master_weights
 from .preset_fields import uses_fp32_master_weights
 from .presets import describe, get_preset
 
 
-class MasterWeights:
+class MasterWeights(TrainerPart):
     """``optim_preset`` reporting, bf16 model + ``FP32MasterAdamW`` on a single device / DDP."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
+        super().__init__(trainer)
         args = trainer.args
         if option(args, "optim_preset_values") is not None:
             trainer.accelerator.print(describe(args.optim_preset_values, get_preset(args.optim_preset)))
@@ -48,13 +48,13 @@ class MasterWeights:
     @property
     def builds_optimizer(self) -> bool:
         """fp32 masters in our optimizer: single device and DDP (FSDP2/ZeRO-3 keep their own masters)."""
-        trainer = self._trainer()
+        trainer = self.trainer
         uses = uses_fp32_master_weights(trainer.args)
         return uses and not (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled)
 
     def create_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """``FP32MasterAdamW`` over ``model``'s trainable parameters, with transformers' weight-decay groups."""
-        trainer = self._trainer()
+        trainer = self.trainer
         args = trainer.args
         decay = set(trainer.get_decay_parameter_names(model))
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

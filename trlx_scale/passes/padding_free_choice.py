@@ -7,7 +7,6 @@ is (the isolation check runs forwards, and under sharded parameters every rank m
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -16,24 +15,21 @@ from ..auto_switch import resolve_switch
 from ..compat import trl_trainer_state as trl_state
 from ..compat.checkpoint_with_cache import uses_reentrant_checkpointing
 from ..options import option
+from ..trainer_part import TrainerPart
 from .logprob_pass import PassResult
 from .micro_batch_plan import attention_cost_coefficient as cost_coefficient
 from .packing_support import check_packing_isolated, packing_unsupported_reason
 
 
-class PassLayout:
+class PassLayout(TrainerPart):
     """The trainer's decision on packed rows and recomputed forwards, and the layout metrics of its loss passes,
     for a ``transformers.Trainer`` with TRL's fused LM head on its model (the trainer holds it as ``pass_layout``)."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
+        super().__init__(trainer)
         self.padding_free_decision: bool | None = None  # decided at the first pass
         self.padding_free_off_reason: str | None = None
         self.recompute_forwards_decision: bool | None = None
-
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
 
     def attention_cost_coefficient(self) -> float:
         config = self.trainer.accelerator.unwrap_model(self.trainer.model).config

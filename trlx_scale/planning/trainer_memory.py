@@ -21,13 +21,12 @@ from __future__ import annotations
 import os
 import resource
 import sys
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..optim.preset_fields import uses_fp32_master_weights
+from ..trainer_part import TrainerPart
 from .held_memory import held_gib, local_bytes
 from .memory_model import GIB, Layout, Plan, RunSpec, role_memory
 from .model_shape import ModelShape
@@ -93,22 +92,18 @@ def backend_of(accelerator) -> tuple[str, bool]:
     return "ddp", False
 
 
-class MemoryPlanner:
+class MemoryPlanner(TrainerPart):
     """Logs ``memory/planned_peak_gib`` next to the measured peaks: the trainer's component
     (``trlx_scale.trainer_features`` builds it before TRL's ``__init__``, calls ``note_batch`` in ``compute_loss`` and
     adds ``log_metrics`` to every log). What the run is comes from the trainer's seams: ``_planner_algorithm``,
     ``_planner_engine``, ``_planner_num_generations``, ``_planner_extra_roles`` and ``_held_roles``."""
 
-    def __init__(self, model: Any):
+    def __init__(self, trainer: Any, model: Any):
+        super().__init__(trainer)
         # The process's runtime before the trainer builds anything: what is resident, less the model already loaded.
         self.runtime_baseline_bytes = max(current_rss_bytes() - materialized_model_bytes(model), 0)
         self._observed_batch: tuple[int, int, int] | None = None  # (rows, prompt tokens, completion tokens)
         self._model_shape_cache = None
-        self._trainer: Callable[[], Any] = lambda: None
-
-    def start(self, trainer: Any) -> None:
-        """After TRL's ``__init__``: the trainer whose run is planned (held weakly: it holds this component)."""
-        self._trainer = weakref.ref(trainer)
 
     # ---------------------------------------------------------------- what a trainer tells the planner
     def _planner_lengths(self) -> tuple[int, int, int]:
@@ -116,7 +111,7 @@ class MemoryPlanner:
 
         A pair-wise trainer (DPO) reports whole sequences: the planner only uses prompt + completion there.
         """
-        trainer = self._trainer()
+        trainer = self.trainer
         if self._observed_batch is not None:
             rows, prompt, completion = self._observed_batch
             pairs = trainer._planner_algorithm() in ("dpo", "online-dpo")
@@ -146,7 +141,7 @@ class MemoryPlanner:
     # ---------------------------------------------------------------- the plan
     def planned_memory(self) -> Plan:
         """The planner's per-device verdict for this trainer's run."""
-        trainer = self._trainer()
+        trainer = self.trainer
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         params = list({id(p): p for p in unwrapped.parameters()}.values())  # tied weights once
         if self._model_shape_cache is None:
@@ -208,14 +203,14 @@ class MemoryPlanner:
 
     def held_memory_metrics(self) -> dict[str, float]:
         """``memory/held/<role>_gib``: the model states this rank holds per role (``held_memory``)."""
-        trainer = self._trainer()
+        trainer = self.trainer
         return {
             f"memory/held/{role}_gib": round(held_gib(trainer.accelerator.unwrap_model(module), optimizer), 6)
             for role, (module, optimizer) in trainer._held_roles().items()
         }
 
     def memory_metrics(self) -> dict[str, float]:
-        trainer = self._trainer()
+        trainer = self.trainer
         metrics = {"memory/planned_peak_gib": round(self.planned_memory().per_gpu_gib, 4)}
         metrics.update(self.held_memory_metrics())
         metrics["memory/peak_host_gib"] = round(peak_rss_bytes() / GIB, 4)

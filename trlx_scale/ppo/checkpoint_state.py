@@ -6,24 +6,24 @@ a PPO run.
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Any
 
 import torch
 
+from ..trainer_part import TrainerPart
 from .critic import critic_state, load_critic_state
 
 PPO_STATE_NAME = "ppo_state.pt"
 
 
-class PPOStatePart:
+class PPOStatePart(TrainerPart):
     """``PPOTrainer``'s checkpoint part (``reliability.checkpoint_parts``): the critic and the KL coefficient."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)
+        super().__init__(trainer)
 
     def save(self, checkpoint_dir: str) -> None:
-        trainer = self._trainer()
+        trainer = self.trainer
         # Every rank takes part (ZeRO-3 gathers; a DeepSpeed critic writes its own partitions); rank 0 writes the file.
         if trainer.critic_training is not None:
             state = trainer.critic_training.save(checkpoint_dir, trainer.args.should_save)
@@ -34,7 +34,7 @@ class PPOStatePart:
             torch.save(state, os.path.join(checkpoint_dir, PPO_STATE_NAME))
 
     def load(self, checkpoint_dir: str) -> None:
-        trainer = self._trainer()
+        trainer = self.trainer
         path = os.path.join(checkpoint_dir, PPO_STATE_NAME)
         if not os.path.isfile(path):
             raise ValueError(

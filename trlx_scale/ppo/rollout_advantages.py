@@ -4,7 +4,6 @@ and whitening over every rank's tokens (``ppo.advantages``), with the ``ppo/*`` 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from ..passes.forward_recompute import recomputes, run_forward
 from ..passes.packed_rows import PackedRows, forward_token_limit
 from ..passes.packing_support import packing_unsupported_reason
 from ..rollout.batch import RolloutBatch
+from ..trainer_part import TrainerPart
 from .advantages import (
     gae,
     kl_penalty_rewards,
@@ -30,17 +30,13 @@ from .critic import SeparateCritic
 logger = logging.get_logger(__name__)
 
 
-class PPORolloutValues:
+class PPORolloutValues(TrainerPart):
     """``PPOTrainer``'s component (``rollout_values``): values, GAE and the KL controller's update at each rollout,
     and the critic's values for the loss."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
+        super().__init__(trainer)
         self._critic_packing_decision: bool | None = None
-
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
 
     def values_and_gae(self, batch: RolloutBatch) -> RolloutBatch:
         args, mode = self.trainer.args, "train"

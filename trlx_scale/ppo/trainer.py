@@ -37,7 +37,6 @@ How each role is distributed (docs/ppo.md has the table and the memory per GPU):
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -47,10 +46,12 @@ from transformers.utils import logging
 
 from ..agents.gym_rollout import GymRollout
 from ..compat import trl_trainer_state as trl_state
+from ..compat.trl_loss_pass import loss_pass_of
 from ..grpo.trainer import GRPOTrainer
 from ..losses.value_loss import clipped_value_loss
 from ..optim.master_weights import FP32MasterAdamW
 from ..rollout.batch import RolloutBatch
+from ..trainer_part import TrainerPart
 from .checkpoint_state import PPOStatePart
 from .config import PPOConfig
 from .critic import VALUE_HEAD_MODULE, SeparateCritic, SharedBaseCritic
@@ -224,15 +225,11 @@ class PPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ loss: policy (TRL) + value
 
-    def _postprocess_loss_logps(self, logps, inputs):
-        # The policy's log-probs of this loss pass, for the approximate KL: they ride in the micro-batch itself and
-        # are taken out again by _compute_loss, the call this pass runs in.
-        inputs[LOSS_PASS_LOGPS_KEY] = logps.detach()
-        return super()._postprocess_loss_logps(logps, inputs)
-
     def _compute_loss(self, model, inputs):
-        policy_loss = super()._compute_loss(model, inputs)
-        current_logps = inputs.pop(LOSS_PASS_LOGPS_KEY)
+        # The loss pass records the policy's log-probs for the approximate KL (compat.trl_loss_pass).
+        with loss_pass_of(inputs) as loss_pass:
+            policy_loss = super()._compute_loss(model, inputs)
+        current_logps = loss_pass.logps
         mode = "train" if self.model.training else "eval"
         if mode == "eval" or "returns" not in inputs:
             return policy_loss
@@ -312,17 +309,14 @@ class PPOTrainer(GRPOTrainer):
         self._weights_replaced()  # this branch replaces transformers' load, and the policy version feature's hook
 
 
-LOSS_PASS_LOGPS_KEY = "loss_pass_per_token_logps"  # set and taken out within one _compute_loss call
-
-
-class _StepCriticWithPolicy(TrainerCallback):
+class _StepCriticWithPolicy(TrainerPart, TrainerCallback):
     """Steps the critic's optimizer right after each policy optimizer step (same gradient accumulation). Holds the
     trainer weakly (no trainer <-> callback cycle: see profiling's _StepClock)."""
 
     def __init__(self, trainer: PPOTrainer):
-        self._trainer = weakref.ref(trainer)
+        super().__init__(trainer)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self._trainer()
+        trainer = self.trainer
         if trainer is not None:
             trainer._step_critic()

@@ -22,8 +22,6 @@ optimizer step runs inside ``accelerator.backward`` and counts as ``loss_forward
 from __future__ import annotations
 
 import time
-import weakref
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +30,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..options import option
+from ..trainer_part import TrainerPart
 from .device_peak import device_peak_tflops
 from .flops import ModelFlops, generation_flops
 from .phase_timer import PHASES, PhaseTimer
@@ -48,15 +47,15 @@ class StepRecord:
     counters: dict[str, float] = field(default_factory=dict)
 
 
-class StepProfiler:
+class StepProfiler(TrainerPart):
     """Times the phases of every step: the trainer's component (``trlx_scale.trainer_features`` builds it before
     TRL's ``__init__``, since DPO scores its reference log-probs there, and calls ``start`` after it). The trainer
     wraps each ``training_step`` in ``profiled_step`` and adds ``log_metrics`` to every log; the trainers' rollout
     and passes call ``count_generation`` and ``count_logprob_pass``."""
 
-    def __init__(self, config: Any):
+    def __init__(self, trainer: Any, config: Any):
+        super().__init__(trainer)
         self.phase_timer = PhaseTimer(enabled=bool(option(config, "profile_phases")))
-        self._trainer: Callable[[], Any] = lambda: None
         self._step_records: list[StepRecord] = []
         self.setup_phases: dict[str, float] = {}  # what ran before training (DPO's reference scoring)
         self._profiler_seconds = 0.0
@@ -64,11 +63,10 @@ class StepProfiler:
         self.pending_passes: list[tuple[torch.Tensor, bool, float]] = []  # (row lengths, training, token ratio)
         self.peak_tflops: float | None = None
 
-    def start(self, trainer: Any) -> None:
+    def start(self) -> None:
         """After TRL's ``__init__``: the model exists; the step clock joins the trainer's callbacks."""
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
         if self.phase_timer.enabled:
-            trainer.add_callback(_StepClock(trainer))
+            self.trainer.add_callback(_StepClock(self.trainer))
 
     # ---------------------------------------------------------------- what the trainers call
     @contextmanager
@@ -82,7 +80,7 @@ class StepProfiler:
 
     def _model_flops(self) -> ModelFlops:
         if self.flops_shape is None:
-            trainer = self._trainer()
+            trainer = self.trainer
             self.flops_shape = ModelFlops.of(trainer.accelerator.unwrap_model(trainer.model))
         return self.flops_shape
 
@@ -122,7 +120,7 @@ class StepProfiler:
         """Around one micro-batch's training step (``TrainerFeatures.training_step``)."""
         with self.phase_timer.phase("loss_forward_backward"):
             yield
-        if self._trainer().accelerator.sync_gradients:
+        if self.trainer.accelerator.sync_gradients:
             self.phase_timer.begin("optimizer")  # clipping and the step; closed by _StepClock.on_optimizer_step
 
     def close_step(self, seconds: float) -> None:
@@ -138,7 +136,7 @@ class StepProfiler:
         if not records:
             return {}
         overhead, self._profiler_seconds = self._profiler_seconds, 0.0
-        accelerator = self._trainer().accelerator
+        accelerator = self.trainer.accelerator
         return summarize_steps(records, accelerator.num_processes, self.peak_tflops, overhead, accelerator.device)
 
     def log_metrics(self, logs: dict[str, float]) -> dict[str, float]:
@@ -152,7 +150,7 @@ class StepProfiler:
         return extra
 
 
-class _StepClock(TrainerCallback):
+class _StepClock(TrainerPart, TrainerCallback):
     """Marks the step boundaries: train begin, the optimizer step, each step's end.
 
     It holds the trainer weakly: a trainer -> callback -> trainer cycle would leave a finished trainer (and its vLLM
@@ -161,15 +159,15 @@ class _StepClock(TrainerCallback):
     """
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)
+        super().__init__(trainer)
         self.step_started: float | None = None
 
     @property
     def profiler(self) -> StepProfiler:
-        return self._trainer().profiler
+        return self.trainer.profiler
 
     def on_train_begin(self, args, state, control, **kwargs):
-        trainer, profiler = self._trainer(), self.profiler
+        trainer, profiler = self.trainer, self.profiler
         # What ran before training (DPO's reference scoring) is logged once, with the first step's metrics.
         phases, _ = profiler.phase_timer.take()
         profiler.setup_phases = {name: seconds for name, seconds in phases.items() if seconds > 0}

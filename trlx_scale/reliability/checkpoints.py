@@ -23,9 +23,7 @@ import os
 import re
 import shutil
 import time
-import weakref
 from collections.abc import Callable
-from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
@@ -33,6 +31,7 @@ from transformers.utils import logging
 
 from ..atomic_files import write_text_atomically
 from ..options import option
+from ..trainer_part import TrainerPart
 from .checkpoint_integrity import ALGORITHM, Gather, checksum_files, damaged_files
 from .deepspeed_reshard import convert_to_universal, saved_world_size
 from .disk_space import (
@@ -198,18 +197,11 @@ class _FinishPendingSaves(TrainerCallback):
         self.checkpoints.finish_pending_saves(block=False)
 
 
-class AtomicCheckpoints:
+class AtomicCheckpoints(TrainerPart):
     """The trainer's checkpoints (``trlx_scale.trainer_features`` builds it and delegates transformers' save, load
     and train to it): completion markers with checksums on save, torn and damaged checkpoints skipped on
     resume, the disk's free space checked before each save, preemption signals, asynchronous sharded saves. Reads
     ``verify_checkpoints``, ``save_on_preemption`` and ``async_checkpoints`` from the config."""
-
-    def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
-
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
 
     # Asynchronous sharded saves: the one being written by this _save_checkpoint call (set in
     # _save_optimizer_and_scheduler, which transformers calls from inside it), and those written but not yet marked

@@ -18,7 +18,6 @@ cannot skip; it counts the non-finite steps and stops after the same limit (a wa
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from ..options import option
+from ..trainer_part import TrainerPart
 
 logger = logging.get_logger(__name__)
 
@@ -34,7 +34,7 @@ class NonFiniteTrainingError(RuntimeError):
     """Raised after ``max_consecutive_skipped_steps`` optimizer steps in a row had a non-finite loss or gradient."""
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(TrainerPart):
     """The trainer's guard (``trlx_scale.trainer_features`` builds it after TRL's ``__init__``): ``note_loss`` after
     each training step, ``decide`` on the gradient norm right before the optimizer step, ``log_metrics`` in every
     log. Reads ``max_consecutive_skipped_steps`` (None: its default; 0: the guard is off). The trainer's seams
@@ -42,7 +42,7 @@ class NonFiniteGuard:
     called back."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
+        super().__init__(trainer)
         limit = option(trainer.args, "max_consecutive_skipped_steps")
         self.limit = option(None, "max_consecutive_skipped_steps") if limit is None else int(limit)
         self.window_loss_finite: torch.Tensor | bool = True  # every micro-batch loss of the window was finite
@@ -69,7 +69,7 @@ class NonFiniteGuard:
         takes the same decision: one MAX all-reduce)."""
         if self.limit <= 0:
             return
-        trainer = self._trainer()
+        trainer = self.trainer
         accelerator = trainer.accelerator
         norm = float(grad_norm) if grad_norm is not None else 0.0
         local_bad = ~torch.as_tensor(self.window_loss_finite, device=accelerator.device)
@@ -106,20 +106,20 @@ class NonFiniteGuard:
         return {}
 
 
-class _DropGradientsOfSkippedStep(TrainerCallback):
+class _DropGradientsOfSkippedStep(TrainerPart, TrainerCallback):
     """Right before the optimizer step: drop the gradients of a step the guard skips (AdamW then changes nothing)."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # no trainer <-> callback cycle (see profiling's _StepClock)
+        super().__init__(trainer)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self._trainer()
+        trainer = self.trainer
         if trainer is not None and trainer.nonfinite_guard.skip:
             trainer.optimizer.zero_grad(set_to_none=True)
             trainer._on_skipped_step()
 
     def on_step_end(self, args, state, control, **kwargs):
-        trainer = self._trainer()
+        trainer = self.trainer
         if trainer is not None and trainer.nonfinite_guard.skip:
             # The weights did not change: the policy version stays (rollout.policy_version), so does the engine.
             trainer.nonfinite_guard.skip = False

@@ -12,49 +12,61 @@ from __future__ import annotations
 
 import json
 import os
-import weakref
 from typing import Any
 
 from transformers import TrainerCallback
 
 from ..atomic_files import write_text_atomically
+from ..trainer_part import TrainerPart
 
 POLICY_VERSION_NAME = "policy_version.json"
 
 
-class PolicyVersionPart:
+class PolicyVersion:
+    """The trainer's policy version, in one object: the trainer holds it (``trainer.policy``; ``trainer.policy_version``
+    reads it), its engines read it (``current``, handed to them as a callable: no reference to the trainer), the
+    update counter advances it and the checkpoint part saves and restores it."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def current(self) -> int:
+        return self.value
+
+
+class PolicyVersionPart(TrainerPart):
     """The policy version in each checkpoint (``reliability.checkpoint_parts``), the same on every rank: the main
     process writes it."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)
+        super().__init__(trainer)
 
     def save(self, checkpoint_dir: str) -> None:
-        trainer = self._trainer()
+        trainer = self.trainer
         if trainer.args.should_save:
             path = os.path.join(checkpoint_dir, POLICY_VERSION_NAME)
-            write_text_atomically(path, json.dumps({"policy_version": trainer.policy_version}))
+            write_text_atomically(path, json.dumps({"policy_version": trainer.policy.value}))
 
     def load(self, checkpoint_dir: str) -> None:
-        trainer = self._trainer()
+        trainer = self.trainer
         path = os.path.join(checkpoint_dir, POLICY_VERSION_NAME)
         if os.path.isfile(path):
             with open(path) as handle:
-                trainer.policy_version = int(json.load(handle)["policy_version"])
+                trainer.policy.value = int(json.load(handle)["policy_version"])
         else:  # a checkpoint of an older version: its weights are the step's (what the count would say)
-            trainer.policy_version = trainer.state.global_step
+            trainer.policy.value = trainer.state.global_step
 
 
-class CountPolicyUpdates(TrainerCallback):
+class CountPolicyUpdates(TrainerPart, TrainerCallback):
     """+1 after each optimizer step that changed the weights (before the guard's own on_step_end resets its flag)."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)
+        super().__init__(trainer)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self._trainer()
+        trainer = self.trainer
         if trainer is not None and trainer._weights_were_updated():
-            trainer.policy_version += 1
+            trainer.policy.value += 1
 
 
 class RolloutPolicyVersions:

@@ -9,7 +9,7 @@ once the rollout is scored (advantages computed from every rank's rewards), the 
    does: the shared prefix forwards its prompt once on one rank; else a sample) longest-first to the rank with the least cost so far that still has room, by the packed-row cost
    ``c * L + L**2`` (``passes.micro_batch_plan.sample_cost``); every rank keeps exactly its count of samples, so
    TRL's split into micro-batches, its shuffle and every per-micro-batch count are unchanged;
-3. if that lowers the costliest rank's cost by more than 1 percent (``RankBalanceMixin``; else nothing moves),
+3. if that lowers the costliest rank's cost by more than 1 percent (``RankBalance``; else nothing moves),
    ``exchange_rows`` moves the rows: each per-row tensor is padded to the widest rank's width, all-gathered, and a
    rank keeps its rows, trimmed back to the columns they use.
 

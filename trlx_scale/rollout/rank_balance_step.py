@@ -1,4 +1,4 @@
-"""``RankBalanceMixin``: a scored GRPO rollout's samples dealt to the ranks by cost (``balance_ranks``).
+"""``RankBalance``: a scored GRPO rollout's samples dealt to the ranks by cost (``balance_ranks``).
 
 The dealing and the exchange are ``rollout.rank_balance``; this decides when they apply (several processes,
 padding-free rows, a loss the move leaves unchanged: decided once from the settings; and, per rollout, fields that
@@ -8,7 +8,6 @@ every rank has and that can move, agreed by the ranks) and logs what they did: `
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from transformers.utils import logging
@@ -17,6 +16,7 @@ from ..auto_switch import resolve_switch
 from ..compat import trl_trainer_state as trl_state
 from ..options import option
 from ..passes.micro_batch_plan import imbalance
+from ..trainer_part import TrainerPart
 from .rank_balance import (
     balanced_rank_assignment,
     exchange_rows,
@@ -32,19 +32,15 @@ logger = logging.get_logger(__name__)
 MIN_GAIN = 0.01
 
 
-class RankBalance:
+class RankBalance(TrainerPart):
     """``GRPOTrainer``'s component (``rank_balance``): ``balance`` deals TRL's rollout dict to the ranks. Asks the
     trainer's ``pass_layout`` and its seam ``_rank_balance_algorithm_blocker`` (PPO refuses the move)."""
 
     def __init__(self, trainer: Any):
-        self._trainer = weakref.ref(trainer)  # the trainer holds this component: no cycle
+        super().__init__(trainer)
         self.decision: bool | None = None  # decided at the first rollout
         self.off_reason: str | None = None
         self._skip_logged = False
-
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
 
     def balance(self, rows: dict[str, Any]) -> dict[str, Any]:
         """This rank's rows after the deal (the rows unchanged where the move does not apply)."""
