@@ -1,14 +1,15 @@
 """A benchmark of this checkout against another git revision, interleaved, medians of repeats.
 
 A change that must leave speed unchanged (a restructure) is checked here: each repeat runs the benchmark on the base
-revision (a temporary ``git worktree``) and then on this checkout, with the same Python environment, so the noise of
-the machine falls on both alike. The benchmark is any script of ``benchmarks/`` that writes ``--json-out``; the
+revision (a temporary ``git worktree``) and on this checkout, in alternating order, with the same Python environment,
+so the noise of the machine falls on both alike. The benchmark is any script of ``benchmarks/`` that writes ``--json-out``; the
 numbers compared are the ``summary`` entries its JSON holds.
 
     python benchmarks/revision_ab.py --base f44fec1 --repeats 3 -- grpo_step.py --variants ours --repeats 1 --steps 4
 
-prints, per summary entry, the median over the repeats for each revision and the ratio (this checkout's over the
-base's: above 1 where the entry is a rate, below 1 where it is a time).
+prints, per summary entry, the median over the repeats for each revision and the median of the per-repeat ratios
+(this checkout's over the base's: above 1 where the entry is a rate and this checkout is faster, below 1 where it is
+a time and this checkout is faster).
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ def main() -> None:
         subprocess.run(["git", "worktree", "add", "--detach", "-q", worktree, cli.base], check=True, cwd=REPO)
         try:
             for repeat in range(cli.repeats):
-                for name, checkout in (("base", worktree), ("head", REPO)):
+                order = [("base", worktree), ("head", REPO)]
+                # Each revision runs first in every other repeat: what running second costs or gives (a warm page
+                # cache, a machine still busy with the last run) falls on both alike.
+                for name, checkout in order if repeat % 2 == 0 else order[::-1]:
                     numbers = _run(checkout, script, arguments, os.path.join(scratch, f"{name}-{repeat}.json"))
                     for key, value in numbers.items():
                         results[name].setdefault(key, []).append(value)
@@ -68,14 +72,16 @@ def main() -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", worktree], check=False, cwd=REPO)
     print(f"{script} {' '.join(arguments)}: base {cli.base} against this checkout, medians of {cli.repeats}")
-    print("| summary entry | base | this checkout | ratio (this / base) |")
+    print("| summary entry | base (median) | this checkout (median) | this / base: median of the per-repeat ratios |")
     print("|---|---|---|---|")
     for key in sorted(results["head"]):
         if key not in results["base"]:
             continue
+        pairs = list(zip(results["base"][key], results["head"][key], strict=True))
+        ratios = [head / base for base, head in pairs if base]
+        ratio = f"{statistics.median(ratios):.3f} ({', '.join(f'{r:.3f}' for r in ratios)})" if ratios else "-"
         base, head = statistics.median(results["base"][key]), statistics.median(results["head"][key])
-        ratio = head / base if base else float("nan")
-        print(f"| {key} | {base:.4g} | {head:.4g} | {ratio:.3f} |")
+        print(f"| {key} | {base:.4g} | {head:.4g} | {ratio} |")
 
 
 if __name__ == "__main__":
