@@ -11,9 +11,9 @@ per generation. Variants, each in its own process (its own engine, its own peak 
 - ``ours_lora`` / ``ours_full``: the same with ``vllm_sync_mode`` forced to "lora" / "full";
 - ``ours_fp32`` / ``ours_bf16``: ``ours`` with ``vllm_dtype`` forced to "trainer" (fp32 here) / "auto" (bf16 on CPU);
 - ``ours_old_pass``: ``ours`` with ``old_logprobs_from_loss_pass=False`` (TRL's separate old-policy pass);
-- ``ours_padded``: ``ours`` with ``padding_free="false"`` (padded rows, as TRL);
+- ``ours_padded``: ``ours`` with ``padding_free=False`` (padded rows, as TRL);
 - ``ours_noshare`` / ``ours_noshare_padded``: the default config (``shared_prefix="false"``), packed rows
-  (``padding_free="auto"``, the default) / padded rows.
+  (``padding_free=None``, the default) / padded rows.
 
 Seconds per step come from one clock for every variant (a callback at each step's end); the median over steps after
 the first (warm-up) is a run's figure. Phases: trlx_scale's own ``time/*`` metrics; for TRL the same profiler mixed
@@ -198,7 +198,7 @@ def run_variant(args) -> dict:
         elif variant == "ours_noshare":
             extra["shared_prefix"] = "false"
         elif variant == "ours_noshare_padded":
-            extra.update(shared_prefix="false", padding_free="false")
+            extra.update(shared_prefix="false", padding_free=False)
         config = _config(GRPOConfig, args, output_dir, use_vllm=True, **extra)
         trainer_cls = GRPOTrainer
 

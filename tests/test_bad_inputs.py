@@ -34,7 +34,11 @@ CONFIG_CASES = {
     "sleep_level": (GRPOConfig, {"vllm_sleep_level": "3"}, r"vllm_sleep_level must be one of \('auto', '1', '2'\)"),
     "sync_bucket": (GRPOConfig, {"vllm_sync_bucket_mb": 0}, "vllm_sync_bucket_mb must be a positive number"),
     "is_level": (GRPOConfig, {"importance_sampling_level": "group"}, "importance_sampling_level must be one of"),
-    "shared_prefix": (GRPOConfig, {"shared_prefix": "yes"}, "shared_prefix must be 'true', 'false' or 'auto'"),
+    "shared_prefix": (
+        GRPOConfig,
+        {"shared_prefix": "yes"},
+        r"shared_prefix must be one of \('auto', 'true', 'false'\), got 'yes'",
+    ),
     "loss_recipe": (GRPOConfig, {"loss_recipe": "dapo"}, r"loss_recipe must be one of \['gspo'\]"),
     "optim_preset": (GRPOConfig, {"optim_preset": "adam"}, "optim_preset must be one of"),
     "peak_tflops": (GRPOConfig, {"peak_tflops": 0}, "peak_tflops must be a positive number"),

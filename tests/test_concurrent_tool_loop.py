@@ -265,9 +265,9 @@ def test_multi_turn_losses_are_the_same_in_packed_padded_and_shared_prefix_passe
 
     logs = {}
     for name, overrides in {
-        "padded": dict(padding_free="false"),
-        "packed": dict(padding_free="true"),
-        "shared_prefix": dict(padding_free="false", shared_prefix="true"),
+        "padded": dict(padding_free=False),
+        "packed": dict(padding_free=True),
+        "shared_prefix": dict(padding_free=False, shared_prefix="true"),
     }.items():
         trainer = GRPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32),

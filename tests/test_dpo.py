@@ -32,7 +32,7 @@ def test_identical_to_trl_when_no_option_is_on(default_model_dir, tmp_path):
     default, padding-free packed rows, gives the same loss up to float rounding: tests/test_packing.py)."""
     results = []
     for trainer_cls, config_cls in ((trl.DPOTrainer, trl.DPOConfig), (DPOTrainer, DPOConfig)):
-        padding = {"padding_free": "false"} if config_cls is DPOConfig else {}
+        padding = {"padding_free": False} if config_cls is DPOConfig else {}
         trainer = trainer_cls(
             model=default_model_dir,
             args=_args(config_cls, tmp_path / trainer_cls.__module__, **padding),

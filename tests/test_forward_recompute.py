@@ -133,7 +133,7 @@ def test_a_single_forward_or_a_pass_without_gradients_is_not_recomputed(default_
 
 
 def _train(model, tmp_path, recompute, trainer_cls=GRPOTrainer, config_cls=GRPOConfig, peft_config=None, **overrides):
-    values = dict(max_completion_length=10, max_steps=2, seed=5, padding_free="true", max_tokens_per_microbatch=40)
+    values = dict(max_completion_length=10, max_steps=2, seed=5, padding_free=True, max_tokens_per_microbatch=40)
     values.update(overrides, recompute_forwards=recompute)
     trainer = trainer_cls(
         model=model,
@@ -203,7 +203,7 @@ def test_dpo_policy_forward_trains_alike_with_recomputed_forwards(tmp_path, defa
         args = small_dpo_config(
             tmp_path / f"dpo-{setting}",
             DPOConfig,
-            padding_free="true",
+            padding_free=True,
             max_tokens_per_microbatch=24,
             recompute_forwards=setting,
             max_steps=2,
@@ -226,7 +226,7 @@ def test_bad_settings_name_the_field(tmp_path, default_model_dir):
     with pytest.raises(ValueError, match="recompute_forwards must be one of"):
         small_grpo_config(tmp_path, recompute_forwards="sometimes")
     with pytest.raises(ValueError, match="recompute_forwards='true' recomputes packed forwards, and padding_free="):
-        small_grpo_config(tmp_path, recompute_forwards="true", padding_free="false", max_tokens_per_microbatch=40)
+        small_grpo_config(tmp_path, recompute_forwards="true", padding_free=False, max_tokens_per_microbatch=40)
     with pytest.raises(ValueError, match="recompute_forwards='true' needs max_tokens_per_microbatch"):
         small_grpo_config(tmp_path, recompute_forwards="true")
     # padding_free='auto' turned off by the model (flex_attention has no backward on CPU): an error at the first pass.
@@ -235,7 +235,7 @@ def test_bad_settings_name_the_field(tmp_path, default_model_dir):
             default_model_dir,
             tmp_path,
             "true",
-            padding_free="auto",
+            padding_free=None,
             model_init_kwargs={"attn_implementation": "flex_attention"},
         )
 

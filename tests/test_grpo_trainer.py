@@ -46,7 +46,7 @@ def test_identical_to_trl_when_no_option_is_on(default_model_dir, tmp_path):
     not bit for bit (tests/test_packing.py)."""
     results = []
     for trainer_cls, config_cls in ((trl.GRPOTrainer, trl.GRPOConfig), (GRPOTrainer, GRPOConfig)):
-        padding = {"padding_free": "false", "shared_prefix": "false"} if config_cls is GRPOConfig else {}
+        padding = {"padding_free": False, "shared_prefix": "false"} if config_cls is GRPOConfig else {}
         trainer = trainer_cls(
             model=default_model_dir,
             reward_funcs=[exact_match_reward, _short_answer_reward, _awaited_exact_match],

@@ -178,7 +178,7 @@ def _trainer(default_model_dir, tmp_path, **overrides):
 def test_trainer_pass_matches_trl_pass_and_reports_the_ratio(default_model_dir, tmp_path):
     # The KV-cache pass chunk by chunk, on padded rows (with packed rows a batch may take the prefix tree, one
     # ratio per pass: tests/test_packing.py).
-    trainer = _trainer(default_model_dir, tmp_path, shared_prefix="true", padding_free="false")
+    trainer = _trainer(default_model_dir, tmp_path, shared_prefix="true", padding_free=False)
     ids, mask = _batch(num_generations=4)
     trainer.model.train()
     shared, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, COMPLETION_LEN, batch_size=4)

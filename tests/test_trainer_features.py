@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trlx_scale import DPOConfig, DPOTrainer, GRPOTrainer, PPOConfig, PPOTrainer
-from trlx_scale.options import option, registered_options
+from trlx_scale.trl_config_upgrade import as_trlx_config
 
 from .helpers.trainers import small_dpo_config, small_grpo_config
 
@@ -53,19 +53,27 @@ def test_every_trainer_profiles_guards_and_versions_its_step(trainer_cls, defaul
     assert trainer.policy_version == 1
 
 
-def test_options_registry_knows_every_trlx_scale_field_and_plain_trl_meanings():
+def test_a_plain_trl_config_becomes_ours_with_trls_values_and_plain_trl_meanings():
+    """A plain trl.GRPOConfig is upgraded once: TRL's fields as the user's config holds them (not processed again),
+    every trlx_scale field at what a plain TRL config means (TRL's engine dtype, padded rows, ...), the user's object
+    untouched, and a config of another kind refused by name."""
     import trl
 
     from trlx_scale import GRPOConfig
 
-    trl_names = {f.name for f in __import__("dataclasses").fields(trl.GRPOConfig)}
-    ours = {f.name for f in __import__("dataclasses").fields(GRPOConfig)} - trl_names
-    assert ours <= set(registered_options()), ours - set(registered_options())
-    plain = trl.GRPOConfig(output_dir="unused", report_to="none", bf16=False)
-    assert option(plain, "vllm_dtype") == "auto" and option(plain, "vllm_per_request_seed") is False
-    assert option(plain, "shared_prefix") == "false" and option(plain, "uses_fp32_master_weights") is False
-    with pytest.raises(KeyError, match="not a trlx_scale config field"):
-        option(plain, "shared_prefx")
+    plain = trl.GRPOConfig(output_dir="unused", report_to="none", bf16=False, learning_rate=3e-4, num_generations=4)
+    typed = as_trlx_config(plain, GRPOConfig, trl.GRPOConfig)
+    assert type(typed) is GRPOConfig and typed is not plain and not hasattr(plain, "shared_prefix")
+    for name in ("learning_rate", "num_generations", "output_dir", "lr_scheduler_type", "bf16", "report_to"):
+        assert getattr(typed, name) == getattr(plain, name), name
+    assert typed.vllm_dtype == "auto" and typed.vllm_per_request_seed is False  # TRL's engine exactly
+    assert typed.shared_prefix == "false" and typed.balance_ranks == "false" and typed.padding_free is False
+    assert typed.uses_fp32_master_weights is False and typed.optim_preset_values is None
+    assert typed.loss_recipe_values is None and typed.profile_phases is True  # a trlx_scale default elsewhere
+    ours = GRPOConfig(output_dir="unused", report_to="none", bf16=False)
+    assert as_trlx_config(ours, GRPOConfig, trl.GRPOConfig) is ours and ours.shared_prefix == "auto"
+    with pytest.raises(TypeError, match="args must be a trlx_scale.GRPOConfig or a trl.GRPOConfig, got DPOConfig"):
+        as_trlx_config(trl.DPOConfig(output_dir="unused", report_to="none", bf16=False), GRPOConfig, trl.GRPOConfig)
 
 
 def test_weights_loaded_from_a_checkpoint_are_sent_to_the_engine_again(default_model_dir, tmp_path):

@@ -72,9 +72,9 @@ def test_trainer_constructor_matches_trl():
 
 
 # TRL fields trlx_scale replaces, with trlx_scale's default: TRL 1.16's DPOConfig.padding_free is a bool its trainer
-# switches off ("temporarily unavailable"); trlx_scale's is the packing setting of every trainer ("auto", measured
-# in docs/benchmarks.md; a plain trl.DPOConfig means "false": padded rows).
-REPLACED_FIELDS = {trl.DPOConfig: {"padding_free": "auto"}}
+# switches off ("temporarily unavailable"); trlx_scale's is the packing setting of every trainer, TRL's bool with None
+# for the measured default (docs/benchmarks.md; a plain trl.DPOConfig means False: padded rows).
+REPLACED_FIELDS = {trl.DPOConfig: {"padding_free": None}}
 
 
 @pytest.mark.parametrize(("ours_cls", "trl_cls"), CONFIGS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .generation.engine_options import check_positive
-from .options import registers_options
+from .trl_config_upgrade import registers_options
 
 
 @registers_options()

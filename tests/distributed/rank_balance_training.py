@@ -39,7 +39,7 @@ def main(balance_ranks: str, loss_type: str, report_path: str) -> None:
         bf16=False,
         seed=11,
         disable_tqdm=True,
-        padding_free="true",
+        padding_free=True,
         balance_ranks=balance_ranks,
         loss_type=loss_type,
     )

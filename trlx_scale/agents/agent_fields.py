@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..options import registers_options
+from ..trl_config_upgrade import registers_options
 from .trajectory_tokens import PREFIX_MISMATCH_POLICIES
 
 TOOL_SCHEDULINGS = ("concurrent", "lockstep")

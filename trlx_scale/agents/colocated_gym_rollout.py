@@ -18,7 +18,6 @@ from trl.chat_template_utils import parse_response
 
 from ..compat import trl_trainer_state as trl_state
 from ..compat.trl_generation_call import current_generation_call
-from ..options import option
 from ..trainer_part import TrainerPart
 from .colocated_tool_loop import _run_blocking
 from .colocated_turn_sampler import ColocatedTurnSampler
@@ -64,7 +63,7 @@ class ColocatedGymRollout(TrainerPart):
                     parse=self.turn_parser(),
                     budget=self.budget(llm.llm_engine.model_config.max_model_len),
                     tokenizer=trl_state.tokenizer(self.trainer),
-                    prefix_mismatch=option(self.trainer.args, "prefix_mismatch"),
+                    prefix_mismatch=self.trainer.args.prefix_mismatch,
                 )
             )
         output = gym.trl_output(trajectories)
@@ -82,10 +81,10 @@ class ColocatedGymRollout(TrainerPart):
         return TurnBudget(
             max_completion_length=self.trainer.max_completion_length,
             max_model_len=max_model_len,
-            max_turn_tokens=option(self.trainer.args, "max_turn_tokens"),
+            max_turn_tokens=self.trainer.args.max_turn_tokens,
             max_tool_calling_iterations=self.trainer.max_tool_calling_iterations,
-            max_tool_response_tokens=option(self.trainer.args, "max_tool_response_tokens"),
-            tool_response_overflow=option(self.trainer.args, "tool_response_overflow"),
+            max_tool_response_tokens=self.trainer.args.max_tool_response_tokens,
+            tool_response_overflow=self.trainer.args.tool_response_overflow,
         )
 
     def turn_parser(self, tokenizer: Any = None):

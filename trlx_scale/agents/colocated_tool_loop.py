@@ -28,7 +28,6 @@ from transformers.utils import logging
 from trl.chat_template_utils import parse_response
 
 from ..compat import trl_trainer_state as trl_state
-from ..options import option
 from ..trainer_part import TrainerPart
 from .colocated_turn_sampler import ColocatedTurnSampler
 from .tool_call_continuation import (
@@ -60,7 +59,7 @@ class ColocatedToolLoop(TrainerPart):
         """TRL's ``_tool_call_loop`` contract; ``trl_loop`` is TRL's own (lockstep) loop."""
         reason = self._lockstep_reason(images, multimodal_fields)
         if reason is not None:
-            if option(self.trainer.args, "tool_scheduling") == "concurrent" and not self._told_lockstep:
+            if self.trainer.args.tool_scheduling == "concurrent" and not self._told_lockstep:
                 logger.info("Tool calls run in TRL's lockstep loop: %s.", reason)
                 self._told_lockstep = True
             engine = self.trainer._rollout_engine()
@@ -84,7 +83,7 @@ class ColocatedToolLoop(TrainerPart):
         executor = ThreadPoolExecutor(
             max_workers=min(MAX_TOOL_THREADS, max(1, len(states))), thread_name_prefix="trlx-scale-tool"
         )
-        timeout = option(self.trainer.args, "tool_timeout")
+        timeout = self.trainer.args.tool_timeout
         runners = [
             ToolRunner(trl_state.rollout_tools(self.trainer, i), timeout=timeout, executor=executor)
             for i in range(len(states))
@@ -99,7 +98,7 @@ class ColocatedToolLoop(TrainerPart):
                     max_completion_length=self.trainer.max_completion_length,
                     max_model_len=llm.llm_engine.model_config.max_model_len,
                     max_tool_calling_iterations=self.trainer.max_tool_calling_iterations,
-                    max_turn_tokens=option(self.trainer.args, "max_turn_tokens"),
+                    max_turn_tokens=self.trainer.args.max_turn_tokens,
                 )
                 states = _run_blocking(
                     continue_trajectories(
@@ -113,7 +112,7 @@ class ColocatedToolLoop(TrainerPart):
                         stats=stats,
                         fit_tool_message=self._tool_response_cap(limits),
                         prefix_mismatch_at=self.template_prefix_check(self.trainer.processing_class),
-                        prefix_mismatch=option(self.trainer.args, "prefix_mismatch"),
+                        prefix_mismatch=self.trainer.args.prefix_mismatch,
                     )
                 )
         finally:
@@ -131,13 +130,13 @@ class ColocatedToolLoop(TrainerPart):
 
     def _tool_response_cap(self, limits: ContinuationLimits):
         """``max_tool_response_tokens`` as a function of a tool message (None: no cap)."""
-        if option(self.trainer.args, "max_tool_response_tokens") is None:
+        if self.trainer.args.max_tool_response_tokens is None:
             return None
         budget = TurnBudget(
             max_completion_length=limits.max_completion_length,
             max_model_len=limits.max_model_len,
-            max_tool_response_tokens=option(self.trainer.args, "max_tool_response_tokens"),
-            tool_response_overflow=option(self.trainer.args, "tool_response_overflow"),
+            max_tool_response_tokens=self.trainer.args.max_tool_response_tokens,
+            tool_response_overflow=self.trainer.args.tool_response_overflow,
         )
         return lambda message: budget.fit_tool_message(message, trl_state.tokenizer(self.trainer))
 
@@ -167,7 +166,7 @@ class ColocatedToolLoop(TrainerPart):
 
     def _lockstep_reason(self, images, multimodal_fields) -> str | None:
         """Why this rollout's tool turns run in TRL's loop, or None for the concurrent one."""
-        if option(self.trainer.args, "tool_scheduling") == "lockstep":
+        if self.trainer.args.tool_scheduling == "lockstep":
             return "tool_scheduling='lockstep'"
         engine = self.trainer._rollout_engine()
         if engine is None:

@@ -17,7 +17,6 @@ from transformers.utils import logging
 
 from ..compat import trl_rollout_environments as environments
 from ..compat import trl_trainer_state as trl_state
-from ..options import option
 from ..reliability.rank_agreement import raise_if_any_rank_failed
 
 logger = logging.get_logger(__name__)
@@ -56,6 +55,6 @@ def reset_environments(trainer: Any, rows: list[dict[str, Any]]) -> list:
     """Each row's environment reset with the row: all at once, each under ``tool_timeout`` (``tool_scheduling=
     "concurrent"``), or one after another on the trainer's thread, as TRL does (``"lockstep"``)."""
     arguments = [environments.reset_arguments(row, trl_state.multi_environment(trainer)) for row in rows]
-    if option(trainer.args, "tool_scheduling") == "concurrent":
-        return environments.run_resets(trainer.environments, arguments, option(trainer.args, "tool_timeout"))
+    if trainer.args.tool_scheduling == "concurrent":
+        return environments.run_resets(trainer.environments, arguments, trainer.args.tool_timeout)
     return [env.reset(**kwargs) for env, kwargs in zip(trainer.environments, arguments, strict=True)]

@@ -17,7 +17,6 @@ from ..agents.gym_rollout import GymRollout
 from ..agents.server_gym_sampler import GYM_FIELDS, GYM_METRICS, ROLLOUT_KEYS, ServerGymGroupSampler
 from ..agents.trajectory_tokens import ObservationRenderer
 from ..compat import trl_trainer_state as trl_state
-from ..options import option
 from ..rollout.async_producer import SampledGroup
 from ..trainer_part import TrainerPart
 
@@ -48,7 +47,7 @@ class ServerGymRollout(TrainerPart):
             parse=self.trainer.gym_rollout.turn_parser(tokenizer),
             budget=self.trainer.gym_rollout.budget(context),
             tokenizer=tokenizer,
-            prefix_mismatch=option(self.trainer.args, "prefix_mismatch"),
+            prefix_mismatch=self.trainer.args.prefix_mismatch,
         )
 
     def group_reward_inputs(self, sampled: SampledGroup) -> dict[str, list]:

@@ -12,7 +12,6 @@ from accelerate.utils import broadcast_object_list
 from ..generation.cpu_environment import running_on_cpu_only
 from ..generation.vllm_server import ServerLaunch, VLLMServerProcess
 from ..generation.weight_sync import choose_sync_mode, vllm_max_lora_rank
-from ..options import option
 from ..peft_models import is_peft_model
 from ..trainer_part import TrainerPart
 
@@ -26,7 +25,7 @@ class AsyncServerStart(TrainerPart):
         if not is_peft_model(self.trainer.model):
             return "full"
         mode, _ = choose_sync_mode(
-            self.trainer.model, option(self.trainer.args, "vllm_sync_mode"), cpu_engine=running_on_cpu_only()
+            self.trainer.model, self.trainer.args.vllm_sync_mode, cpu_engine=running_on_cpu_only()
         )
         return mode
 

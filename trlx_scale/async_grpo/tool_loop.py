@@ -47,7 +47,6 @@ from ..agents.trajectory_tokens import TurnBudget
 from ..compat import trl_trainer_state as trl_state
 from ..compat.trl_generation_call import current_generation_call, served_groups
 from ..compat.trl_tool_suffix import tool_suffix_renderer
-from ..options import option
 from ..rollout.async_producer import GroupRequest, SampledGroup
 from ..trainer_part import TrainerPart
 
@@ -64,7 +63,7 @@ class ServerToolLoop(TrainerPart):
                 "AsyncGRPOTrainer with tools or an environment_factory does not evaluate yet: set eval_strategy='no' "
                 "(evaluate with GRPOTrainer on the saved model), or train without tools."
             )
-        if option(self.trainer.args, "tool_scheduling") == "lockstep":
+        if self.trainer.args.tool_scheduling == "lockstep":
             raise ValueError(
                 "tool_scheduling='lockstep' is GRPOTrainer's (TRL's loop); AsyncGRPOTrainer runs every trajectory at "
                 "its own pace on the servers. Leave tool_scheduling at 'concurrent'."
@@ -84,15 +83,15 @@ class ServerToolLoop(TrainerPart):
             max_completion_length=self.trainer.max_completion_length,
             max_model_len=context,
             max_tool_calling_iterations=self.trainer.max_tool_calling_iterations,
-            max_turn_tokens=option(self.trainer.args, "max_turn_tokens"),
+            max_turn_tokens=self.trainer.args.max_turn_tokens,
         )
         fit = None
-        if option(self.trainer.args, "max_tool_response_tokens") is not None:
+        if self.trainer.args.max_tool_response_tokens is not None:
             budget = TurnBudget(
                 max_completion_length=limits.max_completion_length,
                 max_model_len=limits.max_model_len,
-                max_tool_response_tokens=option(self.trainer.args, "max_tool_response_tokens"),
-                tool_response_overflow=option(self.trainer.args, "tool_response_overflow"),
+                max_tool_response_tokens=self.trainer.args.max_tool_response_tokens,
+                tool_response_overflow=self.trainer.args.tool_response_overflow,
             )
 
             def fit(message):
@@ -105,11 +104,11 @@ class ServerToolLoop(TrainerPart):
             suffix_ids=tool_suffix_renderer(self.trainer, tokenizer),
             limits=limits,
             eos_token_ids=self.trainer.eos_token_ids,
-            tool_timeout=option(self.trainer.args, "tool_timeout"),
+            tool_timeout=self.trainer.args.tool_timeout,
             executor=self.trainer._tool_executor,
             fit_tool_message=fit,
             prefix_mismatch_at=self.trainer.tool_loop.template_prefix_check(tokenizer),
-            prefix_mismatch=option(self.trainer.args, "prefix_mismatch"),
+            prefix_mismatch=self.trainer.args.prefix_mismatch,
         )
 
     # ---------------------------------------------------------------- the producer's thread
@@ -143,7 +142,7 @@ class ServerToolLoop(TrainerPart):
                     bounded_call(
                         env.reset,
                         self.trainer._tool_executor,
-                        option(self.trainer.args, "tool_timeout"),
+                        self.trainer.args.tool_timeout,
                         **reset_kwargs,
                     )
                     for env in environments

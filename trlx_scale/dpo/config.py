@@ -13,11 +13,11 @@ from ..config_fields import (
 )
 from ..generation.engine_fields import ColocatedEngineFields
 from ..optim.preset_fields import OptimizerPresetFields
-from ..options import registers_options
 from ..passes.packing_fields import PackingFields
+from ..trl_config_upgrade import registers_options
 
 
-@registers_options(derived={"uses_engine": False})
+@registers_options()
 @dataclass
 class DPOConfig(
     ColocatedEngineFields,

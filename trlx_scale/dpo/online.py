@@ -21,7 +21,6 @@ from transformers.utils import logging
 from trl.data_utils import is_conversational
 
 from ..compat import trl_trainer_state as trl_state
-from ..options import option
 from ..reliability.reward_guard import raise_reward_errors
 from ..rollout.collector import RolloutCollector, RolloutSamples
 from ..rollout.reward_scoring import ConcurrentRewardScorer
@@ -165,7 +164,7 @@ class OnlineDPO(TrainerPart):
                 self._online_scorer = ConcurrentRewardScorer(
                     self.trainer.reward_funcs,
                     max_workers=len(self.trainer.reward_funcs),
-                    sequential=option(self.trainer.args, "reward_scoring") == "sequential",
+                    sequential=self.trainer.args.reward_scoring == "sequential",
                 )
             scores = self._online_scorer.score_now(
                 prompts,

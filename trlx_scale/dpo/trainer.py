@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import trl
 from datasets import Dataset, IterableDataset
 from transformers.utils import logging
 from trl import DPOTrainer as TRLDPOTrainer
@@ -35,7 +36,6 @@ from ..compat.trl_init_config import config_for_trl_init
 from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.engine import RolloutEngine
 from ..hub.secrets import check_tracker_uploads
-from ..options import option
 from ..passes.logprob_pass import PassResult
 from ..passes.packed_model_call import PackedModelCall
 from ..passes.packed_rows import PackedRows
@@ -50,6 +50,7 @@ from ..reliability.reward_guard import guard_reward_functions
 from ..rollout.collector import RolloutSamples
 from ..trainer_features import TrainerFeatures
 from ..trainer_part import TrainerPart
+from ..trl_config_upgrade import trainer_config
 from .config import DPOConfig
 from .online import OnlineDPO, keep_examples
 from .online_pair_balance import check_multi_process_online_loss
@@ -102,15 +103,16 @@ class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
         peft_config: PeftConfig | None = None,
         reward_funcs: Callable | list[Callable] | None = None,
     ):
+        # A plain trl.DPOConfig (or None) becomes ours, every trlx_scale field at what a plain TRL config means.
+        args = trainer_config(args, model, DPOConfig, trl.DPOConfig, "DPO")
         check_train_dataset(train_dataset)
-        if args is not None:
-            check_launch_matches(args)
-            check_tracker_uploads(args)
-        self._online = option(args, "online")
+        check_launch_matches(args)
+        check_tracker_uploads(args)
+        self._online = args.online
         needs = ONLINE_DPO_COLUMNS if self._online else DPO_COLUMNS
         check_dataset_columns(train_dataset, needs, type(self).__name__ + (" (online)" if self._online else ""))
         check_dataset_columns(eval_dataset, DPO_COLUMNS, type(self).__name__, "eval_dataset")
-        self._vllm_ref = option(args, "vllm_ref_log_probs")
+        self._vllm_ref = args.vllm_ref_log_probs
         self._engine: RolloutEngine | None = None  # built on first use (TRL's __init__ may need it)
         # Online DPO's rounds (TRL's __init__ prepares the dataset through it already).
         self.online = OnlineDPO(self)
@@ -124,21 +126,18 @@ class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
             )
         if reward_funcs and not self._online:
             raise ValueError("reward_funcs is used by online DPO only: set online=True in DPOConfig or drop them.")
-        self.reward_funcs = guard_reward_functions(reward_funcs, option(args, "reward_errors"))
-        if option(args, "uses_engine"):
+        self.reward_funcs = guard_reward_functions(reward_funcs, args.reward_errors)
+        if args.uses_engine:
             configure_vllm_cpu_environment(args.vllm_cpu_kvcache_space)
-        padding_free = option(args, "padding_free")
-        switched = {}
-        if args is not None and hasattr(args, "padding_free"):
-            # TRL 1.16 reads its own padding_free (a bool) in __init__ and warns that it is disabled: TRL's copy
-            # says False; ours is read through self.args later.
-            switched["padding_free"] = False
+        padding_free = args.padding_free
+        # TRL 1.16 reads its own padding_free in __init__ and warns that it is disabled: TRL's copy says False; ours
+        # is read through self.args later (the passes pack the rows themselves).
+        switched = {"padding_free": False}
         if self._online:
             # Prompt-only rows reach training_step untouched (the reward functions read their extra columns).
             switched["remove_unused_columns"] = False
             data_collator = data_collator or keep_examples
-        if switched:
-            args = config_for_trl_init(args, **switched)
+        args = config_for_trl_init(args, **switched)
         super().__init__(
             model=model,
             ref_model=ref_model,
@@ -154,8 +153,7 @@ class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
             peft_config=peft_config,
         )
         self.checkpoint_parts.register("dpo_token_count", DPOTokenCountPart(self))
-        if isinstance(padding_free, str):
-            self.args.padding_free = padding_free  # our copy (see above): trlx_scale's setting from here on
+        self.args.padding_free = padding_free  # our copy (see above): trlx_scale's setting from here on
         if self._online and self.accelerator.num_processes > 1:
             check_multi_process_online_loss(list(self.loss_types), bool(args.use_weighting))
         if self._online:
@@ -235,7 +233,7 @@ class DPOTrainer(TrainerFeatures, TRLDPOTrainer):
             model = PackedModelCall(
                 model,
                 agree_max=self.pass_layout.agree_max,
-                max_tokens=option(self.args, "max_tokens_per_microbatch"),
+                max_tokens=self.args.max_tokens_per_microbatch,
                 on_pass=self._record_packed_rows if training else None,
                 coefficient=self.pass_layout.attention_cost_coefficient(),
                 recompute=self.pass_layout.recompute_forwards(),

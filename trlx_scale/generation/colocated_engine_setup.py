@@ -13,7 +13,6 @@ from typing import Any
 
 from ..compat import trl_trainer_state as trl_state
 from ..optim.optimizer_offload import OptimizerStateOffloader
-from ..options import option
 from .engine import RolloutEngine, build_engine
 
 
@@ -61,7 +60,7 @@ def generate_single_turn(trainer: Any, base_generate: Callable, prompt_ids, *arg
     offloaded meanwhile where asked, the engine seeded for the step, its metrics and the profiler's count after."""
     with trainer.phase_timer.phase("generation"):  # optimizer offload, wake, (sync), generate, sleep, reload
         offloader = None
-        if option(trainer.args, "offload_optimizer_during_generation") and trainer.optimizer is not None:
+        if trainer.args.offload_optimizer_during_generation and trainer.optimizer is not None:
             offloader = OptimizerStateOffloader(trainer.optimizer)
             offloaded = offloader.offload()
         engine = trainer._rollout_engine()

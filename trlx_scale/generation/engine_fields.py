@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..optim.preset_fields import uses_fp32_master_weights
-from ..options import option, registers_options
+from ..trl_config_upgrade import registers_options
 from .engine_options import (
     ENGINE_DTYPES,
     SLEEP_LEVELS,
@@ -107,10 +106,10 @@ def engine_dtype(args, model_dtype: torch.dtype | None = None) -> str:
     """The dtype string handed to ``vllm.LLM`` for ``vllm_dtype``. "trainer": bf16/fp16 mixed precision or fp32
     masters (model held in bf16) decide; otherwise the dtype the model's weights are in (``model_dtype``; a model
     loaded in bf16 computes in bf16, so an fp32 engine would only upcast), fp32 when unknown."""
-    requested = option(args, "vllm_dtype")
+    requested = args.vllm_dtype
     if requested != "trainer":
         return requested
-    if getattr(args, "bf16", False) or uses_fp32_master_weights(args):
+    if getattr(args, "bf16", False) or args.uses_fp32_master_weights:
         return "bfloat16"
     if getattr(args, "fp16", False):
         return "float16"
@@ -124,9 +123,9 @@ def engine_options(args, model_dtype: torch.dtype | None = None) -> dict:
     ``args`` is a TRL config without them)."""
     return dict(
         dtype=engine_dtype(args, model_dtype),
-        enforce_eager=option(args, "vllm_enforce_eager"),
-        sync_mode=option(args, "vllm_sync_mode"),
-        sleep_level=option(args, "vllm_sleep_level"),
-        sync_bucket_mb=option(args, "vllm_sync_bucket_mb"),
-        per_request_seed=option(args, "vllm_per_request_seed"),
+        enforce_eager=args.vllm_enforce_eager,
+        sync_mode=args.vllm_sync_mode,
+        sleep_level=args.vllm_sleep_level,
+        sync_bucket_mb=args.vllm_sync_bucket_mb,
+        per_request_seed=args.vllm_per_request_seed,
     )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig as TRLGRPOConfig
 
 from ..agents.agent_fields import AgentFields
+from ..auto_switch import SWITCH_SETTINGS, switch_setting
 from ..config_fields import (
     HubFields,
     ProfilingFields,
@@ -16,12 +17,14 @@ from ..generation.engine_fields import ColocatedEngineFields
 from ..losses.policy_losses import LEVELS
 from ..losses.recipes import LENGTH_WEIGHTED_LOSSES, RECIPES, apply_recipe
 from ..optim.preset_fields import OptimizerPresetFields
-from ..options import registers_options
 from ..passes.packing_fields import PackingFields
+from ..trl_config_upgrade import registers_options
 
 
 # A plain TRL config keeps each sample on the rank that generated it, as TRL does.
-@registers_options(plain_trl_defaults={"balance_ranks": "false", "shared_prefix": "false"})
+@registers_options(
+    plain_trl_defaults={"balance_ranks": "false", "shared_prefix": "false"}, derived={"loss_recipe_values": None}
+)
 @dataclass
 class GRPOConfig(
     AgentFields,
@@ -94,7 +97,7 @@ class GRPOConfig(
             "stay put. 'auto' (default: the same gradient, and under 2-process ZeRO-3 a 4 percent faster step with "
             "the ranks balanced, docs/benchmarks.md): on where it applies, else off with the reason logged once; "
             "'true': on, or an error naming what prevents it; 'false': TRL's placement.",
-            "choices": ["auto", "true", "false"],
+            "choices": list(SWITCH_SETTINGS),
         },
     )
     old_logprobs_from_loss_pass: bool = field(
@@ -141,14 +144,9 @@ class GRPOConfig(
                     f"off_policy_mask_threshold (got loss_type={self.loss_type!r}, beta={self.beta}); use "
                     "importance_sampling_level='sequence' for the others."
                 )
-        if isinstance(self.balance_ranks, bool):
-            self.balance_ranks = "true" if self.balance_ranks else "false"
-        if self.balance_ranks not in ("auto", "true", "false"):
-            raise ValueError(
-                f"balance_ranks must be 'auto', 'true' or 'false', got {self.balance_ranks!r} ('auto' moves samples "
-                "between ranks where the loss allows it)."
-            )
-        if isinstance(self.shared_prefix, bool):
-            self.shared_prefix = "true" if self.shared_prefix else "false"
-        if self.shared_prefix not in ("false", "true", "auto"):
-            raise ValueError(f"shared_prefix must be 'true', 'false' or 'auto', got {self.shared_prefix!r}.")
+        self.balance_ranks = switch_setting(
+            "balance_ranks", self.balance_ranks, "'auto' moves samples between ranks where the loss allows it"
+        )
+        self.shared_prefix = switch_setting(
+            "shared_prefix", self.shared_prefix, "'auto' shares each group's prompt where the model allows it"
+        )

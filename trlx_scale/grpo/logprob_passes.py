@@ -13,7 +13,6 @@ from typing import Any
 
 from ..auto_switch import resolve_switch
 from ..compat import trl_trainer_state as trl_state
-from ..options import option
 from ..passes import LogProbPass, PackedPass, PaddedPass, PassRequest, PassResult, SharedPrefixPass
 from ..passes.prefix_tree import PrefixTreePass, tree_is_cheaper
 from ..passes.shared_prefix import all_ranks_can_share, unsupported_reason
@@ -50,7 +49,7 @@ class LogProbPasses(TrainerPart):
             layout = dict(
                 agree_max=self.trainer.pass_layout.agree_max,
                 autocast=self.trainer.accelerator.autocast,
-                max_tokens=option(self.trainer.args, "max_tokens_per_microbatch"),
+                max_tokens=self.trainer.args.max_tokens_per_microbatch,
                 one_forward_with_grad=self.trainer.pass_layout.zero3_reentrant_checkpointing(model),
                 coefficient=self.trainer.pass_layout.attention_cost_coefficient(),
                 recompute=self.trainer.pass_layout.recompute_forwards(),
@@ -103,7 +102,7 @@ class LogProbPasses(TrainerPart):
     def shared_prefix_enabled(self, model) -> bool:
         """Resolve `shared_prefix` once, at the first pass (gradient checkpointing is switched on by then)."""
         if self.shared_prefix_decision is None:
-            setting = option(self.trainer.args, "shared_prefix")
+            setting = self.trainer.args.shared_prefix
             self.shared_prefix_decision, self.shared_prefix_off_reason = resolve_switch(
                 "shared_prefix", setting, lambda: self.shared_prefix_blocker(model, auto=setting == "auto")
             )
@@ -132,7 +131,7 @@ class LogProbPasses(TrainerPart):
             )
         if auto and self.trainer.num_generations == 1:
             return "num_generations=1, so no prompt is repeated in a batch"
-        if auto and option(self.trainer.args, "max_tokens_per_microbatch"):
+        if auto and self.trainer.args.max_tokens_per_microbatch:
             # The shared pass runs a chunk's rows whole (the prefix tree, where it is cheaper, is packed within the
             # bound): it would break the memory bound the field sets.
             return "max_tokens_per_microbatch bounds each forward's tokens, and the shared pass runs its rows whole"

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import trl
 from accelerate.logging import get_logger
 from accelerate.utils import gather
 from trl import GRPOTrainer as TRLGRPOTrainer
@@ -51,7 +52,6 @@ from ..generation.cpu_environment import configure_vllm_cpu_environment
 from ..generation.engine import RolloutEngine
 from ..hub.secrets import check_tracker_uploads
 from ..losses.policy_losses import log_importance_weights
-from ..options import option
 from ..passes import PassRequest
 from ..reliability.input_checks import GRPO_COLUMNS, check_dataset_columns, check_launch_matches, check_train_dataset
 from ..reliability.reward_guard import guard_reward_functions, raise_reward_errors
@@ -61,6 +61,7 @@ from ..rollout.collector import RolloutCollector, RolloutSamples
 from ..rollout.rank_balance_step import RankBalance
 from ..rollout.reward_scoring import TRL_REWARD_INPUTS, rollout_reward_scorer
 from ..trainer_features import TrainerFeatures
+from ..trl_config_upgrade import trainer_config
 from .config import GRPOConfig
 from .logprob_passes import LogProbPasses
 from .loss_pass_correction import deferred_correction
@@ -87,7 +88,8 @@ class GRPOTrainer(
 
     The constructor mirrors TRL's argument for argument (a contract test compares the signatures), so a script
     written for `trl.GRPOTrainer` runs unchanged with the import switched to `trlx_scale`. `args` may be a
-    [`trlx_scale.GRPOConfig`] or a plain [`trl.GRPOConfig`] (then every trlx_scale option keeps its default).
+    [`trlx_scale.GRPOConfig`] or a plain [`trl.GRPOConfig`] (then the trainer runs with a `trlx_scale.GRPOConfig`
+    holding its values, every trlx_scale field at what a plain TRL config means: docs/defaults.md).
     """
 
     _tag_names = ["trl", "grpo", "trlx-scale"]
@@ -114,18 +116,19 @@ class GRPOTrainer(
         rollout_func: Any | None = None,
         environment_factory: Any | None = None,
     ):
-        colocate = args is not None and args.use_vllm and args.vllm_mode == "colocate"
+        # A plain trl.GRPOConfig (or None) becomes ours, every trlx_scale field at what a plain TRL config means.
+        args = trainer_config(args, model, GRPOConfig, trl.GRPOConfig, "GRPO")
+        colocate = args.use_vllm and args.vllm_mode == "colocate"
         if colocate:
-            configure_vllm_cpu_environment(option(args, "vllm_cpu_kvcache_space"))
+            configure_vllm_cpu_environment(args.vllm_cpu_kvcache_space)
             # TRL creates its own engine eagerly in __init__ and two engines must never start: TRL is handed a copy
             # of the config that says use_vllm=False, and our engine is built right after (build_colocated_engine).
             args = config_for_trl_init(args, use_vllm=False)
         check_train_dataset(train_dataset)
         check_dataset_columns(train_dataset, GRPO_COLUMNS, type(self).__name__)
         check_dataset_columns(eval_dataset, GRPO_COLUMNS, type(self).__name__, "eval_dataset")
-        if args is not None:
-            check_launch_matches(args)
-            check_tracker_uploads(args)
+        check_launch_matches(args)
+        check_tracker_uploads(args)
         if isinstance(rollout_func, GymRollout):
             if tools or environment_factory:
                 raise ValueError(
@@ -134,7 +137,7 @@ class GRPOTrainer(
                 )
             reward_funcs = rollout_func.after_reward_funcs(reward_funcs, args)
         # Each synchronous reward function reports its failures on every rank (trlx_scale.reliability).
-        reward_funcs = guard_reward_functions(reward_funcs, option(args, "reward_errors"))
+        reward_funcs = guard_reward_functions(reward_funcs, args.reward_errors)
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
@@ -157,7 +160,7 @@ class GRPOTrainer(
         self.logprob_passes = LogProbPasses(self)
         self.tool_loop = ColocatedToolLoop(self)
         self.gym_rollout = ColocatedGymRollout(self)
-        self._rollout_scorer = rollout_reward_scorer(self.reward_funcs, option(self.args, "reward_scoring"))
+        self._rollout_scorer = rollout_reward_scorer(self.reward_funcs, self.args.reward_scoring)
         # GSPO-token runs through TRL's "token" branch: its weights come from the loss pass's log-probs, shifted in
         # _postprocess_loss_logps (TRL reads this attribute only in _compute_loss; pinned by a contract test).
         self.uses_sequence_token_ratios = self.importance_sampling_level == "sequence_token"
@@ -259,7 +262,7 @@ class GRPOTrainer(
         sample by sample as ``reliability/reward_retries``."""
         report = raise_reward_errors(self.reward_funcs, self.accelerator)
         metrics = trl_state.metrics(self, "train" if self.model.training else "eval")
-        if option(self.args, "reward_errors") == "skip":
+        if self.args.reward_errors == "skip":
             metrics["reliability/reward_errors"].append(float(report.skipped))
         if report.retries:
             metrics["reliability/reward_retries"].append(float(report.retries))
@@ -381,7 +384,7 @@ class GRPOTrainer(
         old ones itself, without vLLM). PPO needs its old log-probs in the rollout (KL rewards) and overrides this."""
         if not (self.use_vllm and self.vllm_importance_sampling_correction):
             return False
-        if not option(self.args, "old_logprobs_from_loss_pass"):
+        if not self.args.old_logprobs_from_loss_pass:
             return False
         generate_every = self.args.steps_per_generation * self.num_iterations
         return self.args.gradient_accumulation_steps % generate_every == 0

@@ -26,7 +26,6 @@ from typing import TypeVar
 
 from transformers.utils import logging
 
-from ..options import option
 from ..reliability.sharded_checkpoint import consolidated_model_state, uses_sharded_fsdp_checkpoints
 from ..trainer_part import TrainerPart
 from .model_card import trlx_scale_card_section
@@ -120,8 +119,8 @@ class HubPush(TrainerPart):
                 exist_ok=True,
             ),
             f"creating the Hub repo {name}",
-            option(self.trainer.args, "hub_push_retries"),
-            option(self.trainer.args, "hub_push_backoff_s"),
+            self.trainer.args.hub_push_retries,
+            self.trainer.args.hub_push_backoff_s,
         )
         self.trainer.hub_model_id = repo.repo_id
         self.trainer.push_in_progress = None
@@ -193,8 +192,8 @@ class HubPush(TrainerPart):
                     revision=revision or self.trainer.args.hub_revision,
                 ),
                 f"uploading to {self.trainer.hub_model_id}",
-                option(self.trainer.args, "hub_push_retries"),
-                option(self.trainer.args, "hub_push_backoff_s"),
+                self.trainer.args.hub_push_retries,
+                self.trainer.args.hub_push_backoff_s,
             )
         except Exception as error:
             raise HubPushError(
@@ -212,7 +211,7 @@ class HubPush(TrainerPart):
         self.trainer.accelerator.wait_for_everyone()
 
     def _save_for_hub(self, staging: str) -> None:
-        if not option(self.trainer.args, "push_merged"):
+        if not self.trainer.args.push_merged:
             if uses_sharded_fsdp_checkpoints(self.trainer):
                 self._save_consolidated(staging)
             else:
@@ -324,8 +323,8 @@ class HubPush(TrainerPart):
                     revision=self.trainer.args.hub_revision,
                 ),
                 f"uploading a checkpoint to {self.trainer.hub_model_id}",
-                option(self.trainer.args, "hub_push_retries"),
-                option(self.trainer.args, "hub_push_backoff_s"),
+                self.trainer.args.hub_push_retries,
+                self.trainer.args.hub_push_backoff_s,
             )
         except Exception as error:  # noqa: BLE001 - a lost checkpoint upload must not stop training
             logger.warning(

@@ -1,15 +1,15 @@
 """``OptimizerPresetFields``: ``optim_preset`` and ``fp32_master_weights``, the config fields of the optimizer presets,
-shared by every trainer's config; and ``uses_fp32_master_weights(args)`` for any config (a plain TRL one: False)."""
+shared by every trainer's config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..options import option, registers_options
+from ..trl_config_upgrade import registers_options
 from .presets import PRESETS, apply_preset, get_preset
 
 
-@registers_options(derived={"uses_fp32_master_weights": False, "optim_preset_values": None})
+@registers_options(derived={"optim_preset_values": None})
 @dataclass
 class OptimizerPresetFields:
     """`optim_preset` and `fp32_master_weights` (trlx_scale.optim)."""
@@ -43,8 +43,3 @@ class OptimizerPresetFields:
         self.optim_preset_values: dict | None = None
         if self.optim_preset is not None:
             self.optim_preset_values = apply_preset(self, get_preset(self.optim_preset))
-
-
-def uses_fp32_master_weights(args) -> bool:
-    """Whether ``args`` holds the model in bf16 with fp32 masters (False for a plain TRL config)."""
-    return bool(option(args, "uses_fp32_master_weights"))

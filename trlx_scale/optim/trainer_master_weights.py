@@ -10,10 +10,8 @@ from typing import Any
 
 import torch
 
-from ..options import option
 from ..trainer_part import TrainerPart
 from .master_weights import FP32MasterAdamW, cast_for_master_weights
-from .preset_fields import uses_fp32_master_weights
 from .presets import describe, get_preset
 
 
@@ -23,9 +21,9 @@ class MasterWeights(TrainerPart):
     def __init__(self, trainer: Any):
         super().__init__(trainer)
         args = trainer.args
-        if option(args, "optim_preset_values") is not None:
+        if args.optim_preset_values is not None:
             trainer.accelerator.print(describe(args.optim_preset_values, get_preset(args.optim_preset)))
-        if not uses_fp32_master_weights(args):
+        if not args.uses_fp32_master_weights:
             return
         if trainer.optimizer is not None:
             raise ValueError(
@@ -49,7 +47,7 @@ class MasterWeights(TrainerPart):
     def builds_optimizer(self) -> bool:
         """fp32 masters in our optimizer: single device and DDP (FSDP2/ZeRO-3 keep their own masters)."""
         trainer = self.trainer
-        uses = uses_fp32_master_weights(trainer.args)
+        uses = trainer.args.uses_fp32_master_weights
         return uses and not (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled)
 
     def create_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -4,29 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..options import registers_options
-
-PADDING_FREE_SETTINGS = ("auto", "true", "false")
+from ..auto_switch import SWITCH_SETTINGS, switch_setting, switch_value
+from ..trl_config_upgrade import registers_options
 
 
 # A plain TRL config means TRL's padded rows; a trlx_scale config packs where the model allows it.
-@registers_options(plain_trl_defaults={"padding_free": "false"})
+@registers_options(plain_trl_defaults={"padding_free": False})
 @dataclass
 class PackingFields:
     """How the log-prob passes lay their rows out (``passes.packed``)."""
 
-    padding_free: str = field(
-        default="auto",
+    # TRL's type (DPOConfig.padding_free is a bool), with None for the measured default: decided on the model.
+    padding_free: bool | None = field(
+        default=None,
         metadata={
             "help": "Run every pass over the policy, the reference and the critic on padding-free packed rows "
             "(each sample's real tokens, position_ids restarting at 0, no attention mask) instead of rows padded to "
-            "the longest completion; the loss is the padded one up to float rounding. 'auto' (default: on a "
+            "the longest completion; the loss is the padded one up to float rounding. Unset (None, default: on a "
             "long-tail workload the packed step is 2.3x TRL's padded one with less peak memory, and on "
             "the embedded model's GRPO step it is as fast: docs/benchmarks.md): on where the model keeps "
             "packed samples apart (sdpa/eager, flash-attention on GPU; checked once on the model), else off with "
-            "the reason logged once; 'true': on, or an error naming what prevents it; 'false': padded rows, as TRL "
-            "(and what a plain TRL config means).",
-            "choices": list(PADDING_FREE_SETTINGS),
+            "the reason logged once; True: on, or an error naming what prevents it; False: padded rows, as TRL "
+            "(and what a plain TRL config means). A bool as in TRL's DPOConfig; 'auto', 'true' and 'false' are read "
+            "as None, True and False."
         },
     )
     max_tokens_per_microbatch: int | None = field(
@@ -58,29 +58,21 @@ class PackingFields:
             "forward); 'true': on, or an error naming what prevents it (no budget, the passes not packed, "
             "ZeRO-3); 'false': every forward's graph is kept until the backward (the faster step, where memory "
             "allows).",
-            "choices": list(PADDING_FREE_SETTINGS),
+            "choices": list(SWITCH_SETTINGS),
         },
     )
 
     def validate_packing_fields(self) -> None:
-        if isinstance(self.padding_free, bool):
-            self.padding_free = "true" if self.padding_free else "false"
-        if self.padding_free not in PADDING_FREE_SETTINGS:
+        self.padding_free = switch_value("padding_free", self.padding_free)
+        self.recompute_forwards = switch_setting(
+            "recompute_forwards",
+            self.recompute_forwards,
+            "'auto' recomputes the packed forwards where max_tokens_per_microbatch is set",
+        )
+        if self.recompute_forwards == "true" and self.padding_free is False:
             raise ValueError(
-                f"padding_free must be one of {PADDING_FREE_SETTINGS}, got {self.padding_free!r}: 'auto' packs where "
-                "the model supports it."
-            )
-        if isinstance(self.recompute_forwards, bool):
-            self.recompute_forwards = "true" if self.recompute_forwards else "false"
-        if self.recompute_forwards not in PADDING_FREE_SETTINGS:
-            raise ValueError(
-                f"recompute_forwards must be one of {PADDING_FREE_SETTINGS}, got {self.recompute_forwards!r}: 'auto' "
-                "recomputes the packed forwards where max_tokens_per_microbatch is set."
-            )
-        if self.recompute_forwards == "true" and self.padding_free == "false":
-            raise ValueError(
-                "recompute_forwards='true' recomputes packed forwards, and padding_free='false' packs none: set "
-                "padding_free='auto' or recompute_forwards='auto'."
+                "recompute_forwards='true' recomputes packed forwards, and padding_free=False packs none: leave "
+                "padding_free unset (packed where the model allows it) or set recompute_forwards='auto'."
             )
         if self.recompute_forwards == "true" and self.max_tokens_per_microbatch is None:
             raise ValueError(

@@ -14,7 +14,6 @@ import torch
 from ..auto_switch import resolve_switch
 from ..compat import trl_trainer_state as trl_state
 from ..compat.checkpoint_with_cache import uses_reentrant_checkpointing
-from ..options import option
 from ..trainer_part import TrainerPart
 from .logprob_pass import PassResult
 from .micro_batch_plan import attention_cost_coefficient as cost_coefficient
@@ -41,9 +40,9 @@ class PassLayout(TrainerPart):
         forwards run on every rank together: the first pass is a collective point)."""
         if self.padding_free_decision is None:
             self.padding_free_decision, self.padding_free_off_reason = resolve_switch(
-                "padding_free", option(self.trainer.args, "padding_free"), lambda: self._padding_free_blocker(model)
+                "padding_free", self.trainer.args.padding_free, lambda: self._padding_free_blocker(model)
             )
-            if not self.padding_free_decision and option(self.trainer.args, "recompute_forwards") == "true":
+            if not self.padding_free_decision and self.trainer.args.recompute_forwards == "true":
                 raise ValueError(
                     "recompute_forwards='true' recomputes packed forwards, and the passes are not packed "
                     f"({self.padding_free_off_reason}): set recompute_forwards='auto' or 'false', or let "
@@ -56,8 +55,8 @@ class PassLayout(TrainerPart):
         where ``max_tokens_per_microbatch`` is set (without it a loss pass is one forward: nothing to free) and the
         layout allows it (``_recompute_forwards_blocker``)."""
         if self.recompute_forwards_decision is None:
-            setting = option(self.trainer.args, "recompute_forwards")
-            if setting == "auto" and option(self.trainer.args, "max_tokens_per_microbatch") is None:
+            setting = self.trainer.args.recompute_forwards
+            if setting == "auto" and self.trainer.args.max_tokens_per_microbatch is None:
                 self.recompute_forwards_decision = False
             else:
                 self.recompute_forwards_decision, _ = resolve_switch(

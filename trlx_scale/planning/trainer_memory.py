@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from ..optim.preset_fields import uses_fp32_master_weights
 from ..trainer_part import TrainerPart
 from .held_memory import held_gib, local_bytes
 from .memory_model import GIB, Layout, Plan, RunSpec, role_memory
@@ -149,7 +148,7 @@ class MemoryPlanner(TrainerPart):
             self._model_shape_cache = ModelShape.from_config(unwrapped.config, params=total)
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
         dtype = next((p.dtype for p in params if p.requires_grad), torch.float32)
-        masters = uses_fp32_master_weights(trainer.args)
+        masters = trainer.args.uses_fp32_master_weights
         if dtype == torch.float32:
             precision = "fp32"
         else:
@@ -172,7 +171,7 @@ class MemoryPlanner(TrainerPart):
             gradient_checkpointing=bool(trainer.args.gradient_checkpointing),
             # The budget bounds a forward only where the passes are packed (decided at the first pass).
             max_tokens_per_microbatch=(
-                getattr(trainer.args, "max_tokens_per_microbatch", None)
+                trainer.args.max_tokens_per_microbatch
                 if getattr(getattr(trainer, "pass_layout", None), "padding_free_decision", None)
                 else None
             ),

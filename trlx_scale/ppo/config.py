@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..grpo.config import GRPOConfig
-from ..options import registers_options
+from ..trl_config_upgrade import registers_options
 
 
 @registers_options()

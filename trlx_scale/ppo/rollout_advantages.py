@@ -11,7 +11,6 @@ from transformers.utils import logging
 
 from ..agents.gym_rollout import TURN_REWARDS
 from ..compat import trl_trainer_state as trl_state
-from ..options import option
 from ..passes.forward_recompute import recomputes, run_forward
 from ..passes.packed_rows import PackedRows, forward_token_limit
 from ..passes.packing_support import packing_unsupported_reason
@@ -109,7 +108,7 @@ class PPORolloutValues(TrainerPart):
     def _own_turn_reward_column(self) -> int | None:
         """The reward column of a GymRollout's discounted step rewards when each step's reward goes on its own turn
         (``step_reward_credit="own_turn"``), else None."""
-        if option(self.trainer.args, "step_reward_credit") != "own_turn":
+        if self.trainer.args.step_reward_credit != "own_turn":
             return None
         return self.trainer.reward_func_names.index(f"{self.trainer.rollout_func.name}_turns")
 
@@ -139,7 +138,7 @@ class PPORolloutValues(TrainerPart):
         return torch.cat(chunks)[:, -length - 1 : -1]
 
     def _packed_values(self, critic, input_ids, attention_mask, length, chunk_size: int | None) -> torch.Tensor:
-        max_tokens = option(self.trainer.args, "max_tokens_per_microbatch")
+        max_tokens = self.trainer.args.max_tokens_per_microbatch
         # One forward with gradients under ZeRO-3 with reentrant checkpointing, as for the policy (passes.packed).
         one_forward = torch.is_grad_enabled() and self.trainer.pass_layout.zero3_reentrant_checkpointing(
             self.trainer.model

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..options import option
 from ..trainer_part import TrainerPart
 from .device_peak import device_peak_tflops
 from .flops import ModelFlops, generation_flops
@@ -55,7 +54,7 @@ class StepProfiler(TrainerPart):
 
     def __init__(self, trainer: Any, config: Any):
         super().__init__(trainer)
-        self.phase_timer = PhaseTimer(enabled=bool(option(config, "profile_phases")))
+        self.phase_timer = PhaseTimer(enabled=bool(config.profile_phases))
         self._step_records: list[StepRecord] = []
         self.setup_phases: dict[str, float] = {}  # what ran before training (DPO's reference scoring)
         self._profiler_seconds = 0.0
@@ -175,9 +174,7 @@ class _StepClock(TrainerPart, TrainerCallback):
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         dtype = next((p.dtype for p in unwrapped.parameters() if p.requires_grad), torch.float32)
         profiler.flops_shape = ModelFlops.of(unwrapped)
-        profiler.peak_tflops = device_peak_tflops(
-            trainer.accelerator.device, dtype, option(trainer.args, "peak_tflops")
-        )
+        profiler.peak_tflops = device_peak_tflops(trainer.accelerator.device, dtype, trainer.args.peak_tflops)
         self.step_started = profiler.phase_timer.clock()
 
     def on_optimizer_step(self, args, state, control, **kwargs):

@@ -30,7 +30,6 @@ from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils import logging
 
 from ..atomic_files import write_text_atomically
-from ..options import option
 from ..trainer_part import TrainerPart
 from .checkpoint_integrity import ALGORITHM, Gather, checksum_files, damaged_files
 from .deepspeed_reshard import convert_to_universal, saved_world_size
@@ -211,7 +210,7 @@ class AtomicCheckpoints(TrainerPart):
     _last_completed: str | None = None  # the newest checkpoint this run completed
 
     def _verify_checkpoints(self) -> bool:
-        if not option(self.trainer.args, "verify_checkpoints"):
+        if not self.trainer.args.verify_checkpoints:
             return False
         if self.trainer.args.save_on_each_node:
             # Each node holds its own copy: the ranks' shares of the file list would name files of other nodes.
@@ -242,7 +241,7 @@ class AtomicCheckpoints(TrainerPart):
         callback = PreemptionCallback(handler, self.any_rank)
         self._preemption = callback
         pid_file = None
-        if option(self.trainer.args, "save_on_preemption") and handler.install():
+        if self.trainer.args.save_on_preemption and handler.install():
             self.trainer.add_callback(callback)
             if self.trainer.is_world_process_zero():
                 pid_file = write_main_pid(self.trainer.args.output_dir)
@@ -331,7 +330,7 @@ class AtomicCheckpoints(TrainerPart):
             raise CheckpointDiskSpaceError(errno.ENOSPC, shortfalls[0])
 
     def _async_sharded_saves(self) -> bool:
-        return option(self.trainer.args, "async_checkpoints") and uses_sharded_fsdp_checkpoints(self.trainer)
+        return self.trainer.args.async_checkpoints and uses_sharded_fsdp_checkpoints(self.trainer)
 
     def save_optimizer_and_scheduler(self, base_save: Callable[[str], None], output_dir: str) -> None:
         if not self._async_sharded_saves():

@@ -24,7 +24,6 @@ import torch
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from ..options import option
 from ..trainer_part import TrainerPart
 
 logger = logging.get_logger(__name__)
@@ -43,8 +42,7 @@ class NonFiniteGuard(TrainerPart):
 
     def __init__(self, trainer: Any):
         super().__init__(trainer)
-        limit = option(trainer.args, "max_consecutive_skipped_steps")
-        self.limit = option(None, "max_consecutive_skipped_steps") if limit is None else int(limit)
+        self.limit = int(trainer.args.max_consecutive_skipped_steps)
         self.window_loss_finite: torch.Tensor | bool = True  # every micro-batch loss of the window was finite
         self.skip = False  # the decision for the optimizer step about to run
         self.skipped_total = 0

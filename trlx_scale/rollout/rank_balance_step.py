@@ -14,7 +14,6 @@ from transformers.utils import logging
 
 from ..auto_switch import resolve_switch
 from ..compat import trl_trainer_state as trl_state
-from ..options import option
 from ..passes.micro_batch_plan import imbalance
 from ..trainer_part import TrainerPart
 from .rank_balance import (
@@ -50,7 +49,7 @@ class RankBalance(TrainerPart):
         if self.decision is None:
             # From the run's settings only (the same on every rank; padding_free is agreed by the ranks).
             self.decision, self.off_reason = resolve_switch(
-                "balance_ranks", option(self.trainer.args, "balance_ranks"), self._rank_balance_blocker
+                "balance_ranks", self.trainer.args.balance_ranks, self._rank_balance_blocker
             )
         if not self.decision or not self._rollout_movable_on_every_rank(rows):
             return rows
