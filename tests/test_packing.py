@@ -431,22 +431,24 @@ def test_dpo_chosen_and_rejected_train_like_the_padded_run(tmp_path, default_mod
     from .helpers.trainers import small_dpo_config
 
     runs = {}
-    for setting in ("false", "true"):
+    for setting in (False, True):
         trainer = DPOTrainer(
             model=default_model_dir,
-            args=small_dpo_config(tmp_path / setting, DPOConfig, padding_free=setting, ld_alpha=ld_alpha, max_steps=3),
+            args=small_dpo_config(
+                tmp_path / str(setting), DPOConfig, padding_free=setting, ld_alpha=ld_alpha, max_steps=3
+            ),
             train_dataset=addition_preference_dataset("train", size=24),
             peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
         )
-        assert trainer.args.padding_free == setting  # TRL saw False; ours is back on our copy
+        assert trainer.args.padding_free is setting  # TRL saw False; ours is back on our copy
         trainer.train()
         runs[setting] = trainer
-    assert runs["true"].pass_layout.padding_free_decision
+    assert runs[True].pass_layout.padding_free_decision
     # fp32 rounding of the two passes compounds over the 3 optimizer steps: up to 1.5e-5 relative (loss, ld_alpha)
     # on an AVX-512 Xeon, where rtol=1e-5 failed on the unchanged code; a masking error moves these by 1e-2 or more.
     for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins"):
-        torch.testing.assert_close(logged(runs["true"], key), logged(runs["false"], key), rtol=5e-5, atol=1e-6)
-    pad_fracs = zip(logged(runs["true"], "batch/pad_frac"), logged(runs["false"], "batch/pad_frac"), strict=True)
+        torch.testing.assert_close(logged(runs[True], key), logged(runs[False], key), rtol=5e-5, atol=1e-6)
+    pad_fracs = zip(logged(runs[True], "batch/pad_frac"), logged(runs[False], "batch/pad_frac"), strict=True)
     for packed, padded in pad_fracs:
         assert packed <= padded  # (the pairs here are of similar lengths: rows as wide as the longest rarely pair)
 

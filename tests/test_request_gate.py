@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from trlx_scale.agents.server_tool_sampler import ServerToolGroupSampler, TrajectoryTools, trajectory_summaries
-from trlx_scale.agents.tool_call_continuation import ContinuationLimits
+from trlx_scale.agents.tool_call_continuation import ContinuationLimits, TrajectoryRules
 from trlx_scale.generation.server_client import SamplingSettings, VLLMServerClient
 from trlx_scale.rollout.async_producer import GroupRequest
 from trlx_scale.rollout.request_gate import RequestGate
@@ -132,11 +132,13 @@ def test_a_reload_lands_while_a_trajectory_waits_on_its_tool_and_its_next_turn_i
     sampler = ServerToolGroupSampler(
         client,
         tools_for=tools_for,
-        parse=parse,
-        suffix_ids=lambda messages: [5, 6],
-        limits=ContinuationLimits(max_completion_length=64, max_model_len=256, max_tool_calling_iterations=4),
+        rules=TrajectoryRules(
+            limits=ContinuationLimits(max_completion_length=64, max_model_len=256, max_tool_calling_iterations=4),
+            parse=parse,
+            suffix_ids=lambda messages: [5, 6],
+            tool_timeout=10.0,
+        ),
         eos_token_ids=[END],
-        tool_timeout=10.0,
         executor=executor,
     )
     request = GroupRequest(

@@ -9,7 +9,12 @@ import asyncio
 import pytest
 
 from trlx_scale.agents.multi_turn_rollout import SampledTurn
-from trlx_scale.agents.tool_call_continuation import ContinuationLimits, TrajectoryState, continue_trajectories
+from trlx_scale.agents.tool_call_continuation import (
+    ContinuationLimits,
+    TrajectoryRules,
+    TrajectoryState,
+    continue_trajectories,
+)
 from trlx_scale.agents.tool_runner import ToolRunner, ToolStats
 
 END = 2
@@ -51,12 +56,14 @@ def _run(policy: str, checked: list):
             runners,
             [0, 1],
             sampler=_TwoCallsThenAnswer(),
-            suffix_ids=lambda messages: [5, 6],
-            parse=_parse,
-            limits=ContinuationLimits(max_completion_length=64, max_model_len=256, max_tool_calling_iterations=4),
+            rules=TrajectoryRules(
+                limits=ContinuationLimits(max_completion_length=64, max_model_len=256, max_tool_calling_iterations=4),
+                parse=_parse,
+                suffix_ids=lambda messages: [5, 6],
+                prefix_mismatch_at=mismatch_at,
+                prefix_mismatch=policy,
+            ),
             stats=ToolStats(),
-            prefix_mismatch_at=mismatch_at,
-            prefix_mismatch=policy,
         )
     )
 
@@ -117,9 +124,11 @@ def _versioned_run(first_versions):
             [ToolRunner({"f": lambda: "r"}, timeout=5)],
             [0],
             sampler=_ReloadInsideTurnTwo(),
-            suffix_ids=lambda messages: [5, 6],
-            parse=_parse,
-            limits=ContinuationLimits(max_completion_length=64, max_model_len=256, max_tool_calling_iterations=4),
+            rules=TrajectoryRules(
+                limits=ContinuationLimits(max_completion_length=64, max_model_len=256, max_tool_calling_iterations=4),
+                parse=_parse,
+                suffix_ids=lambda messages: [5, 6],
+            ),
             stats=ToolStats(),
         )
     )
@@ -134,3 +143,45 @@ def test_every_token_of_a_trajectory_keeps_the_version_that_sampled_it():
     assert done.token_versions == [0, 0, 0, 0, 0, 0, 0, 0, 0, 1]
     assert done.turn_versions == [0, 0, 0]
     assert _versioned_run(None).token_versions is None  # a first turn without them: none for the trajectory
+
+
+def test_both_engines_trajectories_take_their_rules_from_the_one_builder(default_tokenizer):
+    """The colocated loop and the servers' sampler build their rules with ``tool_trajectory_rules``: the budget, the
+    cap on a tool message, the template check and its policy, and the tool timeout all come from the config."""
+    from types import SimpleNamespace
+
+    from trlx_scale.agents.trajectory_rules import tool_trajectory_rules
+
+    args = SimpleNamespace(
+        max_turn_tokens=8,
+        max_tool_response_tokens=4,
+        tool_response_overflow="truncate",
+        prefix_mismatch="discard",
+        tool_timeout=2.5,
+    )
+    trainer = SimpleNamespace(
+        args=args,
+        max_completion_length=50,
+        max_tool_calling_iterations=3,
+        chat_template=None,
+        chat_template_kwargs={},
+    )
+    rules = tool_trajectory_rules(trainer, tokenizer=default_tokenizer, max_model_len=100, suffix_ids=lambda m: [5])
+    assert rules.limits == ContinuationLimits(50, 100, 3, max_turn_tokens=8)
+    cut, changed = rules.fit_tool_message({"role": "tool", "name": "search", "content": "abcdefghij"})
+    assert changed and cut["content"] == "abcd"
+    assert rules.prefix_mismatch == "discard" and rules.runner({}).timeout == 2.5 and rules.suffix_ids([]) == [5]
+    conversation = [{"role": "user", "content": "What is 2 + 3?"}]
+    rendered = default_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    rendered = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    assert rules.prefix_mismatch_at(conversation, rendered, None) is None
+    assert rules.prefix_mismatch_at(conversation, [*rendered[:3], rendered[3] + 1], None) == 3
+    uncapped = tool_trajectory_rules(
+        SimpleNamespace(
+            **{**vars(trainer), "args": SimpleNamespace(**{**vars(args), "max_tool_response_tokens": None})}
+        ),
+        tokenizer=default_tokenizer,
+        max_model_len=100,
+        suffix_ids=lambda m: [5],
+    )
+    assert uncapped.fit_tool_message is None

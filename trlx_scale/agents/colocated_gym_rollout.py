@@ -1,7 +1,7 @@
 """``ColocatedGymRollout``: ``GRPOTrainer(rollout_func=GymRollout(...))`` runs gym-style episodes on the colocated engine.
 
 TRL's ``_generate`` hands a ``rollout_func`` the batch's prompts and the trainer, and trains on what it returns
-(``agents.gym_rollout``). This mixin is the trainer's side of that call for a ``GymRollout``: the episodes run on
+(``agents.gym_rollout``). This component (``GRPOTrainer.gym_rollout``) is the trainer's side of that call for a ``GymRollout``: the episodes run on
 trlx_scale's colocated engine inside one engine round (``serving_turns``: the trainer's current weights, the engine
 asleep afterwards), each at its own pace (``ColocatedTurnSampler``: vLLM's continuous batching takes whatever turns
 are ready), each with a seed from the run's seed, the rank, the step and its index (a resumed run samples what the

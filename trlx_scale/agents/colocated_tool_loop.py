@@ -2,9 +2,10 @@
 
 TRL 1.16 keeps the multi-turn rollout in ``_tool_call_loop`` (called by ``_generate`` after the first turn, when the
 trainer has tools or an ``environment_factory``): lockstep rounds over the whole batch (see
-``agents.tool_call_continuation``). This mixin overrides that one method: with ``tool_scheduling='concurrent'`` and
-trlx_scale's colocated engine, every trajectory continues at its own pace (``continue_trajectories``), its turns added
-to the running engine (``agents.colocated_turn_sampler``) inside one engine round (``serving_turns``: the weights
+``agents.tool_call_continuation``). GRPOTrainer's override of that one method runs this component: with
+``tool_scheduling='concurrent'`` and trlx_scale's colocated engine, every trajectory continues at its own pace
+(``continue_trajectories``, the loop the asynchronous trainer's servers run too, under the same rules:
+``agents.trajectory_rules``), its turns added to the running engine (``agents.colocated_turn_sampler``) inside one engine round (``serving_turns``: the weights
 served are the trainer's current version, the engine sleeps afterwards). It returns what TRL's loop returns, so
 TRL's ``_generate`` and everything after it (rewards with the whole conversation, ``tool_mask`` in the loss and its
 normaliser, the metrics) run unchanged.
@@ -25,19 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from transformers.utils import logging
-from trl.chat_template_utils import parse_response
 
 from ..compat import trl_trainer_state as trl_state
 from ..trainer_part import TrainerPart
 from .colocated_turn_sampler import ColocatedTurnSampler
-from .tool_call_continuation import (
-    STOP_REASONS,
-    ContinuationLimits,
-    TrajectoryState,
-    continue_trajectories,
-)
-from .tool_runner import ToolRunner, ToolStats
-from .trajectory_tokens import TurnBudget
+from .tool_call_continuation import STOP_REASONS, TrajectoryState, continue_trajectories
+from .tool_runner import ToolStats
+from .trajectory_rules import tool_trajectory_rules
 
 logger = logging.get_logger(__name__)
 
@@ -83,36 +78,29 @@ class ColocatedToolLoop(TrainerPart):
         executor = ThreadPoolExecutor(
             max_workers=min(MAX_TOOL_THREADS, max(1, len(states))), thread_name_prefix="trlx-scale-tool"
         )
-        timeout = self.trainer.args.tool_timeout
-        runners = [
-            ToolRunner(trl_state.rollout_tools(self.trainer, i), timeout=timeout, executor=executor)
-            for i in range(len(states))
-        ]
         mode = "train" if self.trainer.model.training else "eval"
         try:
             with engine.serving_turns() as llm:
                 sampler = ColocatedTurnSampler(
                     llm, lora_request=engine.llm.lora_request, sampling_params=engine.turn_sampling_params
                 )
-                limits = ContinuationLimits(
-                    max_completion_length=self.trainer.max_completion_length,
+                rules = tool_trajectory_rules(
+                    self.trainer,
+                    tokenizer=trl_state.tokenizer(self.trainer),
                     max_model_len=llm.llm_engine.model_config.max_model_len,
-                    max_tool_calling_iterations=self.trainer.max_tool_calling_iterations,
-                    max_turn_tokens=self.trainer.args.max_turn_tokens,
+                    suffix_ids=self.trainer._get_tool_suffix_ids,
                 )
+                runners = [
+                    rules.runner(trl_state.rollout_tools(self.trainer, i), executor) for i in range(len(states))
+                ]
                 states = _run_blocking(
                     continue_trajectories(
                         states,
                         runners,
                         [self.trajectory_seed(i, mode) for i in range(len(states))],
                         sampler=sampler,
-                        suffix_ids=self.trainer._get_tool_suffix_ids,
-                        parse=self._parse_turn,
-                        limits=limits,
+                        rules=rules,
                         stats=stats,
-                        fit_tool_message=self._tool_response_cap(limits),
-                        prefix_mismatch_at=self.template_prefix_check(self.trainer.processing_class),
-                        prefix_mismatch=self.trainer.args.prefix_mismatch,
                     )
                 )
         finally:
@@ -127,42 +115,6 @@ class ColocatedToolLoop(TrainerPart):
             sum(state.tool_failures for state in states),
             [[] for _ in states],  # text-only results (image content is refused by the concurrent loop)
         )
-
-    def _tool_response_cap(self, limits: ContinuationLimits):
-        """``max_tool_response_tokens`` as a function of a tool message (None: no cap)."""
-        if self.trainer.args.max_tool_response_tokens is None:
-            return None
-        budget = TurnBudget(
-            max_completion_length=limits.max_completion_length,
-            max_model_len=limits.max_model_len,
-            max_tool_response_tokens=self.trainer.args.max_tool_response_tokens,
-            tool_response_overflow=self.trainer.args.tool_response_overflow,
-        )
-        return lambda message: budget.fit_tool_message(message, trl_state.tokenizer(self.trainer))
-
-    def template_prefix_check(self, processing_class):
-        """``prefix_mismatch_at(conversation, held ids, tools)`` on ``processing_class``: where the held ids stop
-        being a prefix of the chat template's rendering of the conversation, rendered as TRL renders prompts (its
-        chat template and kwargs, the rollout's tools), with the next assistant header; None if they are one."""
-
-        def mismatch_at(conversation: list, held: list[int], tools) -> int | None:
-            rendered = processing_class.apply_chat_template(
-                conversation,
-                tools=tools or None,  # TRL's `or None`
-                chat_template=self.trainer.chat_template,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-                **self.trainer.chat_template_kwargs,
-            )
-            if isinstance(rendered, dict) or hasattr(rendered, "input_ids"):  # a BatchEncoding
-                rendered = rendered["input_ids"]
-            for position, token in enumerate(held):
-                if position >= len(rendered) or rendered[position] != token:
-                    return position
-            return None
-
-        return mismatch_at
 
     def _lockstep_reason(self, images, multimodal_fields) -> str | None:
         """Why this rollout's tool turns run in TRL's loop, or None for the concurrent one."""
@@ -185,10 +137,6 @@ class ColocatedToolLoop(TrainerPart):
                 for name in trl_state.batch_environments(self.trainer)
             ]
         return [self.trainer.tools] * count
-
-    def _parse_turn(self, ids: list[int], held: list[int], tools: list) -> dict:
-        """A later turn's message, parsed as TRL's loop parses it (``held``: the ids the turn continued)."""
-        return parse_response(trl_state.tokenizer(self.trainer), ids, prefix=held, tools=tools)
 
     def trajectory_seed(self, index: int, mode: str) -> int:
         """A trajectory's seed, from the run's seed, the rank, the step and its index: a resumed run samples the

@@ -28,7 +28,7 @@ trainer ran at 0.94x the synchronous concurrent loop.
 
 The group returned carries the whole trajectories as its completions (what trains), their messages (what the reward
 functions read), and in ``extras`` the first turns (what TRL's ``_generate`` parses) and the tool masks and counts
-(what TRL's ``_tool_call_loop`` returns): ``AsyncToolLoopMixin`` hands them to TRL.
+(what TRL's ``_tool_call_loop`` returns): ``async_grpo.tool_loop.ServerToolLoop`` hands them to TRL.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from typing import Any
 from ..generation.rollout_seeds import turn_seed
 from ..rollout.async_producer import GroupRequest, SampledGroup
 from .multi_turn_rollout import SampledTurn
-from .tool_call_continuation import ContinuationLimits, TrajectoryState, continue_trajectories
-from .tool_runner import ToolRunner, ToolStats
+from .tool_call_continuation import TrajectoryRules, TrajectoryState, continue_trajectories
+from .tool_runner import ToolStats
 
 # Keys of ``SampledGroup.extras`` a tool group carries.
 FIRST_TURN_IDS = "first_turn_ids"
@@ -116,35 +116,23 @@ def trajectory_seed(group_seed: int, position: int) -> int:
 
 
 class ServerToolGroupSampler:
-    """See the module docstring. ``parse(ids, held_ids, schema)`` reads a turn's assistant message (TRL's
-    ``parse_response``), ``suffix_ids(messages)`` renders tool messages alone (TRL's ``_get_tool_suffix_ids``), both
-    on the producer's own tokenizer; ``fit_tool_message`` caps a tool result (None: no cap)."""
+    """See the module docstring. ``rules`` are the trainer's (``agents.trajectory_rules``), built on the producer's own
+    tokenizer; ``executor`` runs the synchronous tools."""
 
     def __init__(
         self,
         client: Any,
         *,
         tools_for: Callable[[GroupRequest], Awaitable[Sequence[TrajectoryTools]]],
-        parse: Callable[[list[int], list[int], Any], dict[str, Any]],
-        suffix_ids: Callable[[list[dict[str, Any]]], list[int]],
-        limits: ContinuationLimits,
+        rules: TrajectoryRules,
         eos_token_ids: Sequence[int],
-        tool_timeout: float,
         executor: Executor,
-        fit_tool_message: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] | None = None,
-        prefix_mismatch_at: Callable[[list[dict[str, Any]], list[int], Any], int | None] | None = None,
-        prefix_mismatch: str = "keep",
     ):
         self.client = client
         self.tools_for = tools_for
-        self.parse = parse
-        self.suffix_ids = suffix_ids
-        self.limits = limits
+        self.rules = rules
         self.eos_token_ids = set(eos_token_ids)
-        self.tool_timeout = tool_timeout
         self.executor = executor
-        self.fit_tool_message = fit_tool_message
-        self.prefix_mismatch_at, self.prefix_mismatch = prefix_mismatch_at, prefix_mismatch
 
     async def sample(self, request: GroupRequest) -> SampledGroup:
         tools = list(await self.tools_for(request))
@@ -157,7 +145,7 @@ class ServerToolGroupSampler:
         for ids, logprobs, own, versions in zip(
             first.completion_ids, first.logprobs, tools, first_versions, strict=True
         ):
-            message = self.parse(list(ids), prompt_ids, own.schema)
+            message = self.rules.parse(list(ids), prompt_ids, own.schema)
             states.append(
                 TrajectoryState(
                     prompt=list(request.prompt["row"]["prompt"]),
@@ -175,16 +163,11 @@ class ServerToolGroupSampler:
         stats = ToolStats()
         states = await continue_trajectories(
             states,
-            [ToolRunner(own.functions, timeout=self.tool_timeout, executor=self.executor) for own in tools],
+            [self.rules.runner(own.functions, self.executor) for own in tools],
             [trajectory_seed(request.seed, position) for position in range(len(states))],
             sampler=ReplicaTurns(self.client, first.version, request.index),
-            suffix_ids=self.suffix_ids,
-            parse=self.parse,
-            limits=self.limits,
+            rules=self.rules,
             stats=stats,
-            fit_tool_message=self.fit_tool_message,
-            prefix_mismatch_at=self.prefix_mismatch_at,
-            prefix_mismatch=self.prefix_mismatch,
         )
         token_versions = [state.token_versions for state in states]
         return SampledGroup(

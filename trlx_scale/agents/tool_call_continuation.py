@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 from .multi_turn_rollout import TurnSampler
@@ -82,26 +83,49 @@ class ContinuationLimits:
     max_turn_tokens: int | None = None  # one later turn's own cap
 
 
+@dataclasses.dataclass(frozen=True)
+class TrajectoryRules:
+    """What every trajectory continues under, whichever engine samples its turns (the sampler is the only part that
+    differs between the colocated engine and the servers). Built from a trainer's config by
+    ``agents.trajectory_rules.tool_trajectory_rules``.
+
+    ``parse(ids, held ids, tools)`` reads a turn's assistant message; ``suffix_ids(messages)`` renders tool messages
+    alone; ``fit_tool_message`` caps a tool result's tokens (``TurnBudget.fit_tool_message``; None: no cap);
+    ``prefix_mismatch_at(conversation, held ids, tools)``: where the held ids stop being a prefix of the template's
+    rendering of the conversation (None: they are one), checked before each later turn; ``prefix_mismatch`` is the
+    policy (``agent_fields.PREFIX_MISMATCH``: "keep" counts it, "discard" ends the trajectory and masks it out of the
+    loss, "off" does not check); ``tool_timeout`` bounds each tool call (``runner``)."""
+
+    limits: ContinuationLimits
+    parse: Callable[[list[int], list[int], Any], dict[str, Any]]
+    suffix_ids: Callable[[list[dict[str, Any]]], list[int]]
+    fit_tool_message: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] | None = None
+    prefix_mismatch_at: Callable[[list[dict[str, Any]], list[int], Any], int | None] | None = None
+    prefix_mismatch: str = "keep"
+    tool_timeout: float = 60.0
+
+    def runner(self, functions: dict[str, Callable], executor: Executor | None = None) -> ToolRunner:
+        """A trajectory's tools, called under ``tool_timeout`` on ``executor``."""
+        return ToolRunner(functions, timeout=self.tool_timeout, executor=executor)
+
+
 async def continue_trajectory(
     state: TrajectoryState,
     *,
     runner: ToolRunner,
     sampler: TurnSampler,
-    suffix_ids: Callable[[list[dict[str, Any]]], list[int]],
-    parse: Callable[[list[int], list[int], Any], dict[str, Any]],
-    limits: ContinuationLimits,
+    rules: TrajectoryRules,
     seed: int,
     stats: ToolStats,
-    fit_tool_message: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] | None = None,
-    prefix_mismatch_at: Callable[[list[dict[str, Any]], list[int], Any], int | None] | None = None,
-    prefix_mismatch: str = "keep",
 ) -> TrajectoryState:
-    """Runs the trajectory's tool rounds and later turns (the module docstring's steps); returns ``state``.
-    ``fit_tool_message`` caps a tool result's tokens (``TurnBudget.fit_tool_message``); None: no cap.
-    ``prefix_mismatch_at(conversation, held ids, tools)``: where the held ids stop being a prefix of the template's
-    rendering of the conversation (None: they are one), checked before each later turn; ``prefix_mismatch`` is the
-    policy (``agent_fields.PREFIX_MISMATCH``: "keep" counts it, "discard" ends the trajectory and masks it out of the
-    loss, "off" does not check)."""
+    """Runs the trajectory's tool rounds and later turns (the module docstring's steps) under ``rules``; returns
+    ``state``."""
+    limits, parse, suffix_ids = rules.limits, rules.parse, rules.suffix_ids
+    fit_tool_message, prefix_mismatch_at, prefix_mismatch = (
+        rules.fit_tool_message,
+        rules.prefix_mismatch_at,
+        rules.prefix_mismatch,
+    )
     tool_calls = state.completion[-1].get("tool_calls") if state.completion else None
     while tool_calls:
         if state.last_turn_cut:
@@ -185,14 +209,19 @@ async def continue_trajectories(
     states: Sequence[TrajectoryState],
     runners: Sequence[ToolRunner],
     seeds: Sequence[int],
-    **common: Any,
+    *,
+    sampler: TurnSampler,
+    rules: TrajectoryRules,
+    stats: ToolStats,
 ) -> list[TrajectoryState]:
-    """Every trajectory at once, each at its own pace; in input order. The first error (the engine's, or a
-    tool's content that this loop cannot carry) cancels the others and is raised as it is."""
+    """Every trajectory at once, each at its own pace, its turns from ``sampler``; in input order. The first error
+    (the engine's, or a tool's content that this loop cannot carry) cancels the others and is raised as it is."""
     if not len(states) == len(runners) == len(seeds):
         raise ValueError("states, runners and seeds must have one entry per trajectory.")
     tasks = [
-        asyncio.ensure_future(continue_trajectory(state, runner=runner, seed=seed, **common))
+        asyncio.ensure_future(
+            continue_trajectory(state, runner=runner, seed=seed, sampler=sampler, rules=rules, stats=stats)
+        )
         for state, runner, seed in zip(states, runners, seeds, strict=True)
     ]
     try:

@@ -1,4 +1,4 @@
-"""``AsyncGymRolloutMixin``: ``AsyncGRPOTrainer(rollout_func=GymRollout(...))``, the episodes sampled by the producer.
+"""``ServerGymRollout``: ``AsyncGRPOTrainer(rollout_func=GymRollout(...))``, the episodes sampled by the producer.
 
 The producer runs each group's episodes on the servers ahead of the trainer (``agents.server_gym_sampler``: every
 episode at its own pace, its environment off the event loop's thread) and scores them with the reward functions and
@@ -39,7 +39,7 @@ class ServerGymRollout(TrainerPart):
 
     def group_sampler(self, client: Any, context: int) -> ServerGymGroupSampler:
         """The producer's sampler of whole episodes, on its own tokenizer (tokenizers are not thread-safe)."""
-        tokenizer = self.trainer._producer_tokenizer
+        tokenizer = self.trainer.producer_tokenizer
         return ServerGymGroupSampler(
             client,
             self.trainer.rollout_func,

@@ -89,18 +89,18 @@ class ProducerFeed(TrainerPart):
         row = request.prompt["row"]
         size = len(sampled.completion_ids)
         columns = {key: [value] * size for key, value in row.items() if key not in ("prompt", "completion")}
-        if self.trainer.tools:  # whole conversations after the prompt (AsyncToolLoopMixin)
+        if self.trainer.tools:  # whole conversations after the prompt (ServerToolLoop)
             completions, environments = self.trainer.server_tools.group_reward_inputs(sampled)
             columns.update(environments)
         else:
-            texts = self.trainer._producer_tokenizer.batch_decode(sampled.completion_ids, skip_special_tokens=True)
+            texts = self.trainer.producer_tokenizer.batch_decode(sampled.completion_ids, skip_special_tokens=True)
             if is_conversational({"prompt": row["prompt"]}):
                 completions = [[{"role": "assistant", "content": text}] for text in texts]
             else:
                 completions = texts
         if (
             self.trainer.server_gym.uses_gym_rollout()
-        ):  # the episodes' extra fields (AsyncGymRolloutMixin), as TRL merges them
+        ):  # the episodes' extra fields (ServerGymRollout), as TRL merges them
             columns.update(self.trainer.server_gym.group_reward_inputs(sampled))
         log = GroupRewardLog(size)  # replayed at the step that trains the group (rollout/reward_logs.py)
         sampled.extras[REWARD_LOG_KEY] = log

@@ -1,6 +1,6 @@
-"""``AsyncServerEngineMixin``: ``AsyncGRPOTrainer``'s engine, built at the first rollout, when the resume point is known.
+"""``AsyncEngineBuilder``: ``AsyncGRPOTrainer``'s engine, built at the first rollout, when the resume point is known.
 
-In order: the servers (``AsyncServerLaunchMixin``: a URL given, or one the trainer starts, in the weights format
+In order: the servers (``AsyncServerStart``: a URL given, or one the trainer starts, in the weights format
 and dtype it chooses) and their client; the prompt stream that replays TRL's sampler per rank; the staleness schedule
 from the rollout about to be trained (a checkpoint's window continued); the reward scorer; the weight transport
 (refused before anything starts, so a refusal leaves no thread and no server of the trainer's); the producer, with
@@ -85,7 +85,7 @@ class AsyncEngineBuilder(TrainerPart):
         self.trainer._reward_scorer = ConcurrentRewardScorer(
             self.trainer._async_reward_funcs, max_workers=args.async_reward_workers
         )
-        self.trainer._producer_tokenizer = copy.deepcopy(
+        self.trainer.producer_tokenizer = copy.deepcopy(
             self.trainer.processing_class
         )  # decoding off the trainer's thread
         # Full weights in the dtype of a server this trainer started; one the user started casts on load.

@@ -1,8 +1,8 @@
 """How ``AsyncGRPOTrainer`` sets up its servers: which weights they get (adapter or full, in which dtype), the
 server it starts when no URL is given (``generation.vllm_server``), and the probe that verifies each update.
 
-Why a mixin of the trainer: each answer reads the trainer's model, config and accelerator; building the engine from
-them is ``async_server_engine.py``'s.
+A component of the trainer (``server_start``): each answer reads the trainer's model, config and accelerator;
+building the engine from them is ``server_engine.py``'s (``AsyncEngineBuilder``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``AsyncToolLoopMixin``: tools and environments under ``AsyncGRPOTrainer``, sampled by the producer on the servers.
+"""``ServerToolLoop``: tools and environments under ``AsyncGRPOTrainer``, sampled by the producer on the servers.
 
 TRL's contracts stay the user's: ``tools=[fn]`` and ``environment_factory`` (``reset(**row)``, public methods become
 tools, ``get_reward`` a reward source, a dict routing rows by their ``environment`` column) are what
@@ -28,8 +28,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from trl.chat_template_utils import parse_response
-
 from ..agents.colocated_tool_loop import MAX_TOOL_THREADS
 from ..agents.server_tool_sampler import (
     FIRST_TURN_IDS,
@@ -41,9 +39,8 @@ from ..agents.server_tool_sampler import (
     tool_stats,
     trajectory_summaries,
 )
-from ..agents.tool_call_continuation import ContinuationLimits
 from ..agents.tool_runner import ToolStats, bounded_call
-from ..agents.trajectory_tokens import TurnBudget
+from ..agents.trajectory_rules import tool_trajectory_rules
 from ..compat import trl_trainer_state as trl_state
 from ..compat.trl_generation_call import current_generation_call, served_groups
 from ..compat.trl_tool_suffix import tool_suffix_renderer
@@ -52,7 +49,14 @@ from ..trainer_part import TrainerPart
 
 
 class ServerToolLoop(TrainerPart):
-    """Part of ``AsyncGRPOTrainer`` (see the module docstring); its metrics are the tool loop's (``tool_loop.record``)."""
+    """Part of ``AsyncGRPOTrainer`` (see the module docstring); its metrics are the tool loop's (``tool_loop.record``).
+    It owns the producer's environment pools and the executor of the synchronous tools."""
+
+    def __init__(self, trainer: Any):
+        super().__init__(trainer)
+        self.environment_pools: dict[Any, list[Any]] = {}
+        self.environment_lock = threading.Lock()
+        self.tool_executor: ThreadPoolExecutor | None = None
 
     def check(self) -> None:
         """At construction: what this trainer cannot do with tools, refused by name."""
@@ -68,47 +72,25 @@ class ServerToolLoop(TrainerPart):
                 "tool_scheduling='lockstep' is GRPOTrainer's (TRL's loop); AsyncGRPOTrainer runs every trajectory at "
                 "its own pace on the servers. Leave tool_scheduling at 'concurrent'."
             )
-        self.trainer._environment_pools: dict[Any, list[Any]] = {}
-        self.trainer._environment_lock = threading.Lock()
-        self.trainer._tool_executor: ThreadPoolExecutor | None = None
 
     def group_sampler(self, client: Any) -> ServerToolGroupSampler:
         """The producer's sampler of whole trajectories (``agents.server_tool_sampler``)."""
-        tokenizer = self.trainer._producer_tokenizer  # the producer's own copy: tokenizers are not thread-safe
-        self.trainer._tool_executor = ThreadPoolExecutor(
+        tokenizer = self.trainer.producer_tokenizer  # the producer's own copy: tokenizers are not thread-safe
+        self.tool_executor = ThreadPoolExecutor(
             max_workers=MAX_TOOL_THREADS, thread_name_prefix="trlx-scale-tool"
         )
-        context = served_context(client)
-        limits = ContinuationLimits(
-            max_completion_length=self.trainer.max_completion_length,
-            max_model_len=context,
-            max_tool_calling_iterations=self.trainer.max_tool_calling_iterations,
-            max_turn_tokens=self.trainer.args.max_turn_tokens,
+        rules = tool_trajectory_rules(
+            self.trainer,
+            tokenizer=tokenizer,
+            max_model_len=served_context(client),
+            suffix_ids=tool_suffix_renderer(self.trainer, tokenizer),
         )
-        fit = None
-        if self.trainer.args.max_tool_response_tokens is not None:
-            budget = TurnBudget(
-                max_completion_length=limits.max_completion_length,
-                max_model_len=limits.max_model_len,
-                max_tool_response_tokens=self.trainer.args.max_tool_response_tokens,
-                tool_response_overflow=self.trainer.args.tool_response_overflow,
-            )
-
-            def fit(message):
-                return budget.fit_tool_message(message, tokenizer)
-
         return ServerToolGroupSampler(
             client,
             tools_for=self.trajectory_tools,
-            parse=lambda ids, held, schema: parse_response(tokenizer, ids, prefix=held, tools=schema),
-            suffix_ids=tool_suffix_renderer(self.trainer, tokenizer),
-            limits=limits,
+            rules=rules,
             eos_token_ids=self.trainer.eos_token_ids,
-            tool_timeout=self.trainer.args.tool_timeout,
-            executor=self.trainer._tool_executor,
-            fit_tool_message=fit,
-            prefix_mismatch_at=self.trainer.tool_loop.template_prefix_check(tokenizer),
-            prefix_mismatch=self.trainer.args.prefix_mismatch,
+            executor=self.tool_executor,
         )
 
     # ---------------------------------------------------------------- the producer's thread
@@ -141,7 +123,7 @@ class ServerToolLoop(TrainerPart):
                 *(
                     bounded_call(
                         env.reset,
-                        self.trainer._tool_executor,
+                        self.tool_executor,
                         self.trainer.args.tool_timeout,
                         **reset_kwargs,
                     )
@@ -170,8 +152,8 @@ class ServerToolLoop(TrainerPart):
         return {tool.__name__: tool for tool in [*trl_state.standalone_tools(self.trainer), *methods]}
 
     def acquire_environment(self, name: Any) -> Any:
-        with self.trainer._environment_lock:
-            pool = self.trainer._environment_pools.setdefault(name, [])
+        with self.environment_lock:
+            pool = self.environment_pools.setdefault(name, [])
             if pool:
                 return pool.pop()
         return self.trainer.environment_factories[
@@ -179,10 +161,10 @@ class ServerToolLoop(TrainerPart):
         ]()  # "construct once, reset often": the pool grows to what is in flight
 
     def release_environments(self, owned: Sequence[TrajectoryTools]) -> None:
-        with self.trainer._environment_lock:
+        with self.environment_lock:
             for tools in owned:
                 if tools.environment is not None:
-                    self.trainer._environment_pools.setdefault(tools.environment_name, []).append(tools.environment)
+                    self.environment_pools.setdefault(tools.environment_name, []).append(tools.environment)
 
     def group_reward_inputs(self, sampled: SampledGroup) -> tuple[list, dict[str, Any]]:
         """What a tool group's reward functions get beside TRL's columns: the conversations after the prompt, and the
@@ -247,9 +229,9 @@ class ServerToolLoop(TrainerPart):
         )
 
     def close(self) -> None:
-        if getattr(self.trainer, "_tool_executor", None) is not None:
-            self.trainer._tool_executor.shutdown(wait=False, cancel_futures=True)  # a timed-out tool's thread runs on
-            self.trainer._tool_executor = None
+        if self.tool_executor is not None:
+            self.tool_executor.shutdown(wait=False, cancel_futures=True)  # a timed-out tool's thread runs on
+            self.tool_executor = None
 
 
 def served_context(client: Any) -> int:

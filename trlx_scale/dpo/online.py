@@ -2,7 +2,7 @@
 
 Each step, the batch's prompts are sampled by the current policy on the colocated engine (LoRA-only sync,
 sleep/wake) and ``reward_funcs`` score the completions, both through the rollout collector
-(``rollout.collector.RolloutCollector.sample_and_score``, whose stages this mixin supplies), and DPO trains on each
+(``rollout.collector.RolloutCollector.sample_and_score``, whose stages this component supplies), and DPO trains on each
 prompt's (best, worst) pair. Across
 ranks the pairs are dealt evenly, tie pairs topping up the short ranks (``dpo.online_pair_balance``), so the
 gradient is exactly the mean over the step's real pairs. A checkpoint keeps the round's statistics, so a resumed

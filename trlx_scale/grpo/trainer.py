@@ -8,12 +8,14 @@ are listed in docs/defaults.md). The rollout path:
     -> log-prob pass (``passes``: padded or shared prefix, chosen once per run)
     -> TRL's loss (GSPO ratios from ``losses``; vLLM's correction from the loss pass)
 
-Where each part lives (mixins placed before TRL's class in the bases):
+Where each part lives (components the trainer holds, built in ``__init__``, or functions of the trainer):
 
 - ``generation.colocated_engine_setup``: trlx_scale's vLLM engine in the training processes, and TRL's single-turn
   generation on it (``_generate_single_turn``);
 - ``tool_loop`` (``agents.colocated_tool_loop.ColocatedToolLoop``): tool calling (``tools`` / ``environment_factory``),
-  TRL's first turn, then each trajectory at its own pace (``tool_scheduling``); ``gym_rollout`` (``agents.colocated_gym_rollout``): gym-style episodes (``GymRollout``);
+  TRL's first turn, then each trajectory at its own pace (``tool_scheduling``) under the rules of
+  ``agents.trajectory_rules``; ``gym_rollout`` (``agents.colocated_gym_rollout``): gym-style episodes
+  (``GymRollout``);
 - ``logprob_passes`` (``grpo.logprob_passes.LogProbPasses``): the pass each batch runs; vLLM's correction from the loss
   pass (``grpo.loss_pass_correction``) and GSPO-token's weights at the seams here;
 - ``RolloutBufferPart`` (a checkpoint part): a checkpoint inside a rollout's mini-batches resumes inside it;
