@@ -76,9 +76,7 @@ class ServerToolLoop(TrainerPart):
     def group_sampler(self, client: Any) -> ServerToolGroupSampler:
         """The producer's sampler of whole trajectories (``agents.server_tool_sampler``)."""
         tokenizer = self.trainer.producer_tokenizer  # the producer's own copy: tokenizers are not thread-safe
-        self.tool_executor = ThreadPoolExecutor(
-            max_workers=MAX_TOOL_THREADS, thread_name_prefix="trlx-scale-tool"
-        )
+        self.tool_executor = ThreadPoolExecutor(max_workers=MAX_TOOL_THREADS, thread_name_prefix="trlx-scale-tool")
         rules = tool_trajectory_rules(
             self.trainer,
             tokenizer=tokenizer,
