@@ -6,10 +6,12 @@ python tests/scripts/resume_run.py KIND OUTPUT_DIR --max_steps 4 [--resume CHECK
 KIND: grpo_lora_engine (LoRA, colocated vLLM engine, 2 mini-batches per rollout), grpo_full_masters (full
 fine-tuning, fp32 master weights), ppo_separate (LoRA policy, separate full critic, adaptive KL), ppo_shared_base
 (critic adapter on the policy's base), ppo_full (full policy, frozen reference copy), dpo_offline (LoRA),
-dpo_online (LoRA, colocated engine).
+dpo_online (LoRA, colocated engine), grpo_dynamic_sampling (LoRA, colocated engine, dynamic sampling: half the prompts
+score groups without signal, so steps over-sample, carry groups over and run further rounds).
 """
 
 import argparse
+import hashlib
 import json
 
 from peft import LoraConfig
@@ -33,9 +35,25 @@ def alternating_reward(completions, **kwargs):
 REWARDS = [exact_match_reward, alternating_reward]
 
 
+def half_flat_reward(completion_ids, answer, **kwargs):
+    """No signal for even answers (a constant); for odd ones a function of the completion's tokens."""
+    return [
+        0.5
+        if int(a) % 2 == 0
+        else int.from_bytes(hashlib.blake2b(str(ids).encode(), digest_size=2).digest(), "big") / 65535
+        for ids, a in zip(completion_ids, answer, strict=True)
+    ]
+
+
 def build(kind: str, output_dir: str, max_steps: int):
     rollout = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=5, learning_rate=1e-3)
     train = addition_dataset("train", size=64)
+    if kind == "grpo_dynamic_sampling":
+        sampling = dict(dynamic_sampling=True, dynamic_sampling_max_oversample=3.0, per_device_train_batch_size=8)
+        args = GRPOConfig(output_dir=output_dir, max_steps=max_steps, **COMMON, **{**rollout, **ENGINE, **sampling})
+        return GRPOTrainer(
+            model=default_model_path(), reward_funcs=half_flat_reward, args=args, train_dataset=train, peft_config=LORA
+        )
     if kind.startswith("grpo"):
         if kind == "grpo_lora_engine":
             extra, peft = dict(**ENGINE, steps_per_generation=2), LORA

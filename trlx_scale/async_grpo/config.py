@@ -210,6 +210,11 @@ class AsyncGRPOConfig(GRPOConfig):
         self.use_vllm = True
         self.vllm_mode = "server"
         super().__post_init__()
+        if self.dynamic_sampling:
+            raise ValueError(
+                "dynamic_sampling is GRPOTrainer's so far: AsyncGRPOTrainer's producer does not yet replace the groups "
+                "it drops. Train with GRPOTrainer, or set dynamic_sampling=False."
+            )
         if self.importance_sampling_level == "sequence" and self.vllm_importance_sampling_mode == "token_truncate":
             # GSPO (its recipe sets the level): the behaviour weight at the level of the objective's ratio.
             self.vllm_importance_sampling_mode = "sequence_truncate"

@@ -19,6 +19,7 @@ from ..losses.recipes import LENGTH_WEIGHTED_LOSSES, RECIPES, apply_recipe
 from ..optim.preset_fields import OptimizerPresetFields
 from ..passes.packing_fields import PackingFields
 from ..trl_config_upgrade import registers_options
+from .dynamic_sampling_fields import DynamicSamplingFields
 
 
 # A plain TRL config keeps each sample on the rank that generated it, as TRL does.
@@ -27,6 +28,7 @@ from ..trl_config_upgrade import registers_options
 )
 @dataclass
 class GRPOConfig(
+    DynamicSamplingFields,
     AgentFields,
     ColocatedEngineFields,
     OptimizerPresetFields,
@@ -49,6 +51,7 @@ class GRPOConfig(
     - optimizer fields shared with them (`OptimizerPresetFields`): `optim_preset`, `fp32_master_weights`;
     - packing fields shared with them (`PackingFields`): `padding_free`, `max_tokens_per_microbatch`;
     - multi-turn tool calls (`AgentFields`): `tool_scheduling`, `tool_timeout`;
+    - DAPO's dynamic sampling (`DynamicSamplingFields`): `dynamic_sampling` and its bounds;
     - GRPO's own: `offload_optimizer_during_generation`, `loss_recipe` (`"gspo"`), `shared_prefix`,
       `old_logprobs_from_loss_pass`, `balance_ranks`; and
       `importance_sampling_level` also accepts `"sequence_token"` (GSPO-token).
@@ -126,6 +129,7 @@ class GRPOConfig(
         self.validate_hub_fields()
         self.validate_packing_fields()
         self.validate_agent_fields()
+        self.validate_dynamic_sampling_fields()
         if self.importance_sampling_level not in LEVELS:
             raise ValueError(
                 f"importance_sampling_level must be one of {LEVELS}, got {self.importance_sampling_level!r}."

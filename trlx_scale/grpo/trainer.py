@@ -65,6 +65,7 @@ from ..rollout.reward_scoring import TRL_REWARD_INPUTS, rollout_reward_scorer
 from ..trainer_features import TrainerFeatures
 from ..trl_config_upgrade import trainer_config
 from .config import GRPOConfig
+from .dynamic_sampling import DynamicSampling
 from .logprob_passes import LogProbPasses
 from .loss_pass_correction import deferred_correction
 
@@ -162,6 +163,8 @@ class GRPOTrainer(
         self.logprob_passes = LogProbPasses(self)
         self.tool_loop = ColocatedToolLoop(self)
         self.gym_rollout = ColocatedGymRollout(self)
+        # DAPO's dynamic sampling: training rollouts of informative groups only (grpo.dynamic_sampling).
+        self.dynamic_sampling = DynamicSampling(self) if self.args.dynamic_sampling else None
         self._rollout_scorer = rollout_reward_scorer(self.reward_funcs, self.args.reward_scoring)
         # GSPO-token runs through TRL's "token" branch: its weights come from the loss pass's log-probs, shifted in
         # _postprocess_loss_logps (TRL reads this attribute only in _compute_loss; pinned by a contract test).
@@ -406,6 +409,8 @@ class GRPOTrainer(
         version = self.policy_version  # the engine serves it for this rollout (ensure_version)
         if self._rollout_has_images(inputs):
             batch = self._trl_rollout(inputs, version)
+        elif self.dynamic_sampling is not None and self.model.training:
+            batch = self.dynamic_sampling.collect(inputs, version)
         else:
             batch = RolloutCollector(self).collect(inputs, version)
         batch = self._finish_rollout(batch)

@@ -112,6 +112,11 @@ class PPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.dynamic_sampling:
+            raise ValueError(
+                "dynamic_sampling drops GRPO groups whose rewards are all equal; PPO's advantages come from its critic "
+                "(GAE), not from groups, so no sample is without signal there. Set dynamic_sampling=False."
+            )
         if self.beta != 0.0:
             raise ValueError(
                 f"PPO folds the KL penalty into the rewards (kl_coef); beta={self.beta} would add TRL's KL term to "

@@ -41,6 +41,7 @@ the next as arguments, not trainer attributes. TRL's own per-batch state that it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -139,8 +140,8 @@ class RolloutCollector:
     def sample_and_score(self, rows: list[dict[str, Any]], policy_version: int) -> ScoredSamples:
         """Stages 1, 2 and 5 only: the samples of ``rows`` and their rewards, for an algorithm that builds its own
         training examples from them (online DPO's preference pairs) instead of a policy-gradient batch."""
-        prompts, samples = self._sample(rows)
-        rewards_per_func = self._score(rows, prompts, samples)
+        prompts, samples = self.sample(rows)
+        rewards_per_func = self.score(rows, prompts, samples)
         return ScoredSamples(
             prompts=prompts,
             samples=samples,
@@ -152,10 +153,22 @@ class RolloutCollector:
     def collect(self, rows: list[dict[str, Any]], policy_version: int) -> RolloutBatch:
         """The rollout of ``rows`` (this process's dataset rows, each group's ``num_generations`` copies together);
         ``policy_version``: the version the engine serves for it (a row's own where the samples name one)."""
+        prompts, samples = self.sample(rows)
+        return self.build(rows, prompts, samples, policy_version, lambda: self.score(rows, prompts, samples))
+
+    def build(
+        self,
+        rows: list[dict[str, Any]],
+        prompts: list,
+        samples: RolloutSamples,
+        policy_version: int,
+        rewards: Callable[[], torch.Tensor],
+    ) -> RolloutBatch:
+        """Stages 3 to 7 on samples already drawn: ``rewards()`` gives every process's rewards (B_all, F), asked for
+        where the reward stage runs (``collect`` scores then; dynamic sampling has scored the groups it kept)."""
         trainer = self.trainer
         device = trainer.accelerator.device
         mode = "train" if trainer.model.training else "eval"
-        prompts, samples = self._sample(rows)
         completions, completion_ids_list = samples.completions, samples.completion_ids
         tensors = self._padded(
             samples.prompt_ids, completion_ids_list, samples.sampling_logps, samples.tool_mask, device
@@ -164,7 +177,7 @@ class RolloutCollector:
         num_items_in_batch = trainer.accelerator.gather(loss_mask.sum()).sum()
         old_logps, ratio, ref_logps = self._policy_passes(tensors, loss_mask, mode)
 
-        rewards_per_func = self._score(rows, prompts, samples)
+        rewards_per_func = rewards()
         num_generations = trainer.num_generations if mode == "train" else trainer.num_generations_eval
         scored = group_advantages(
             rewards_per_func,
@@ -215,7 +228,7 @@ class RolloutCollector:
         )
 
     # ---------------------------------------------------------------- stages 1 and 2: prompts, samples
-    def _sample(self, rows: list[dict[str, Any]]) -> tuple[list, RolloutSamples]:
+    def sample(self, rows: list[dict[str, Any]]) -> tuple[list, RolloutSamples]:
         trainer = self.trainer
         prompts = trainer._rollout_prompts(rows)
         samples: RolloutSamples = trainer._sample_rollout(prompts, rows)
@@ -227,7 +240,7 @@ class RolloutCollector:
         return prompts, samples
 
     # ---------------------------------------------------------------- stage 5: rewards
-    def _score(self, rows: list[dict[str, Any]], prompts: list, samples: RolloutSamples) -> torch.Tensor:
+    def score(self, rows: list[dict[str, Any]], prompts: list, samples: RolloutSamples) -> torch.Tensor:
         """(B_all, F): every process's rewards per function (the trainer's ``_rollout_rewards``)."""
         # A rollout_func's extra fields join the rows (its reward functions read them as columns, as under TRL).
         for index, row in enumerate(rows):
