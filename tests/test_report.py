@@ -148,3 +148,23 @@ def test_held_out_curve_scores_every_n_steps_and_keeps_the_random_state():
     assert torch.equal(torch.rand(1), expected)
     with pytest.raises(ValueError, match="--eval_every_steps must be >= 0"):
         HeldOutAccuracyCurve(accuracy, every=-1)
+
+
+def test_report_says_what_dynamic_sampling_did(tmp_path):
+    """A run with dynamic sampling on: the summary's row is the mean of its per-step metrics; a run without has none."""
+    from trlx_scale.report.render import _markdown
+
+    entries = [
+        {"step": 1, "loss": 0.1, "batch/zero_variance_frac": 0.5, "batch/filled_frac": 1.0},
+        {"step": 2, "loss": 0.1, "batch/zero_variance_frac": 0.3, "batch/filled_frac": 0.5},
+    ]
+    for entry, rounds, factor, carried in zip(entries, (2.0, 1.0), (1.0, 2.0), (0.0, 1.0), strict=True):
+        entry.update({"batch/generation_rounds": rounds, "batch/oversampling_factor": factor})
+        entry["batch/carried_groups"] = carried
+    markdown = _markdown(RunHistory(source="logs", entries=entries), [])
+    assert (
+        "| dynamic sampling (mean per step) | 40% of sampled groups without signal, batch 75% filled with informative "
+        "groups, 1.50 generation rounds, over-sampling 1.50x, 0.50 carried-over groups |"
+    ) in markdown
+    plain = _markdown(RunHistory(source="logs", entries=[{"step": 1, "loss": 0.1}]), [])
+    assert "dynamic sampling" not in plain

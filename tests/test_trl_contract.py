@@ -566,7 +566,8 @@ def test_trl_init_still_acts_on_the_fields_its_config_copy_switches():
     assert "self.use_vllm = args.use_vllm" in inspect.getsource(trl.GRPOTrainer.__init__)
     assert "self.padding_free = args.padding_free" in inspect.getsource(trl.DPOTrainer.__init__)
     assert "self.args.remove_unused_columns" in inspect.getsource(Trainer._remove_unused_columns)
-    assert set(SWITCHABLE) == {"use_vllm", "padding_free", "remove_unused_columns"}
+    assert "if len(args.reward_weights) != len(reward_funcs):" in inspect.getsource(trl.GRPOTrainer.__init__)
+    assert set(SWITCHABLE) == {"use_vllm", "padding_free", "remove_unused_columns", "reward_weights"}
     args = GRPOConfig(output_dir="unused", report_to="none", bf16=False, use_vllm=True)
     trl_args = config_for_trl_init(args, use_vllm=False)
     assert args.use_vllm is True and trl_args.use_vllm is False and trl_args.learning_rate == args.learning_rate

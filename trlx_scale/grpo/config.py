@@ -20,6 +20,7 @@ from ..optim.preset_fields import OptimizerPresetFields
 from ..passes.packing_fields import PackingFields
 from ..trl_config_upgrade import registers_options
 from .dynamic_sampling_fields import DynamicSamplingFields
+from .overlong_penalty import OverlongPenaltyFields
 
 
 # A plain TRL config keeps each sample on the rank that generated it, as TRL does.
@@ -29,6 +30,7 @@ from .dynamic_sampling_fields import DynamicSamplingFields
 @dataclass
 class GRPOConfig(
     DynamicSamplingFields,
+    OverlongPenaltyFields,
     AgentFields,
     ColocatedEngineFields,
     OptimizerPresetFields,
@@ -52,6 +54,7 @@ class GRPOConfig(
     - packing fields shared with them (`PackingFields`): `padding_free`, `max_tokens_per_microbatch`;
     - multi-turn tool calls (`AgentFields`): `tool_scheduling`, `tool_timeout`;
     - DAPO's dynamic sampling (`DynamicSamplingFields`): `dynamic_sampling` and its bounds;
+    - DAPO's soft overlong punishment (`OverlongPenaltyFields`): `overlong_buffer_length`, `overlong_penalty_factor`;
     - GRPO's own: `offload_optimizer_during_generation`, `loss_recipe` (`"gspo"`), `shared_prefix`,
       `old_logprobs_from_loss_pass`, `balance_ranks`; and
       `importance_sampling_level` also accepts `"sequence_token"` (GSPO-token).
@@ -130,6 +133,7 @@ class GRPOConfig(
         self.validate_packing_fields()
         self.validate_agent_fields()
         self.validate_dynamic_sampling_fields()
+        self.validate_overlong_penalty_fields()
         if self.importance_sampling_level not in LEVELS:
             raise ValueError(
                 f"importance_sampling_level must be one of {LEVELS}, got {self.importance_sampling_level!r}."

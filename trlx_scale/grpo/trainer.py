@@ -68,6 +68,7 @@ from .config import GRPOConfig
 from .dynamic_sampling import DynamicSampling
 from .logprob_passes import LogProbPasses
 from .loss_pass_correction import deferred_correction
+from .overlong_penalty import with_overlong_penalty
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -139,6 +140,12 @@ class GRPOTrainer(
                     "environment_factory run TRL's tool environments: pass one or the other."
                 )
             reward_funcs = rollout_func.after_reward_funcs(reward_funcs, args)
+        # DAPO's soft overlong punishment, a reward column of its own (grpo.overlong_penalty).
+        reward_funcs, reward_processing_classes, weights = with_overlong_penalty(
+            reward_funcs, reward_processing_classes, args
+        )
+        if weights:
+            args = config_for_trl_init(args, **weights)
         # Each synchronous reward function reports its failures on every rank (trlx_scale.reliability).
         reward_funcs = guard_reward_functions(reward_funcs, args.reward_errors)
         super().__init__(

@@ -164,6 +164,33 @@ def _median_after_first(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _dynamic_sampling_rows(history: RunHistory) -> list[tuple[str, str]]:
+    """What dynamic sampling did (grpo.dynamic_sampling), where the run had it on: means over the logged steps."""
+    means = {}
+    for key in (
+        "batch/zero_variance_frac",
+        "batch/filled_frac",
+        "batch/generation_rounds",
+        "batch/oversampling_factor",
+        "batch/carried_groups",
+    ):
+        values = history.series(key)[1]
+        if values:
+            means[key] = statistics.fmean(values)
+    if not means:
+        return []
+    return [
+        (
+            "dynamic sampling (mean per step)",
+            f"{100 * means.get('batch/zero_variance_frac', 0):.0f}% of sampled groups without signal, batch "
+            f"{100 * means.get('batch/filled_frac', 0):.0f}% filled with informative groups, "
+            f"{means.get('batch/generation_rounds', 1):.2f} generation rounds, over-sampling "
+            f"{means.get('batch/oversampling_factor', 1):.2f}x, {means.get('batch/carried_groups', 0):.2f} carried-over "
+            "groups",
+        )
+    ]
+
+
 def _markdown(history: RunHistory, images: list[str]) -> str:
     summary = history.summary
     lines = ["# Run report", "", f"Read from `{history.source}` ({len(history.entries)} logged steps).", ""]
@@ -185,6 +212,7 @@ def _markdown(history: RunHistory, images: list[str]) -> str:
         value = _median_after_first(history.series(key)[1])
         if value is not None:
             rows.append((label, f"{scale * value:.3g}{unit}"))
+    rows += _dynamic_sampling_rows(history)
     reward_key = history.first_present(REWARD_KEYS)
     if reward_key is not None:
         values = history.series(reward_key)[1]

@@ -1,0 +1,116 @@
+"""Dynamic sampling on the embedded addition task at the README's settings (``make run``): held-out accuracy against
+training time and against generated tokens, with and without, over several seeds.
+
+Variants (each a whole ``examples/grpo.py`` run in its own process, the order rotated per seed so that no variant
+always runs first):
+
+- ``off``: the README's run (``dynamic_sampling=False``);
+- ``dynamic``: ``dynamic_sampling=True`` with its defaults (over-sampling in the first engine call by the learnt
+  factor, carried-over groups, at most 3 rounds);
+- ``until_full``: verl's "generate until full": no over-sampling, nothing carried over, up to 8 rounds a step.
+
+Per run: held-out accuracy before and after (and at every ``eval_every_steps``), training seconds (the held-out
+scoring excluded, as the run summary counts them), generated tokens (TRL's ``num_tokens``: prompt and completion
+tokens of every generation call), generation seconds and rounds per step. Medians over seeds.
+
+    python benchmarks/dynamic_sampling.py --seeds 1 2 3 [--steps 200] [--out outputs/bench-dynamic-sampling]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {
+    "off": [],
+    "dynamic": ["--dynamic_sampling", "true"],
+    "until_full": [
+        "--dynamic_sampling",
+        "true",
+        "--dynamic_sampling_max_oversample",
+        "1",
+        "--dynamic_sampling_max_carry",
+        "0",
+        "--dynamic_sampling_max_rounds",
+        "8",
+    ],
+}
+
+
+def run(variant: str, seed: int, steps: int | None, out: str) -> dict:
+    output_dir = os.path.join(out, f"{variant}-seed{seed}")
+    command = [sys.executable, os.path.join(REPO_ROOT, "examples", "grpo.py"), "--seed", str(seed)]
+    command += ["--output_dir", output_dir, "--report_to", "none", *VARIANTS[variant]]
+    if steps is not None:
+        command += ["--max_steps", str(steps)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{variant} seed {seed} failed:\n{result.stderr[-4000:]}")
+    with open(os.path.join(output_dir, "run_summary.json")) as handle:
+        summary = json.load(handle)
+    with open(os.path.join(output_dir, "trainer_state.json")) as handle:
+        logs = [entry for entry in json.load(handle)["log_history"] if "loss" in entry]
+
+    def mean_of(key: str) -> float | None:
+        values = [entry[key] for entry in logs if key in entry]
+        return statistics.fmean(values) if values else None
+
+    return {
+        "variant": variant,
+        "seed": seed,
+        "accuracy_before": summary["accuracy_before"],
+        "accuracy_after": summary["accuracy_after"],
+        "accuracy_curve": summary["accuracy_curve"],
+        "train_seconds": summary["train_seconds"],
+        "generated_tokens": max(entry.get("num_tokens", 0) for entry in logs),
+        "generation_seconds_per_step": mean_of("time/generation"),
+        "rounds_per_step": mean_of("batch/generation_rounds") or 1.0,
+        "zero_variance_frac": mean_of("batch/zero_variance_frac") or mean_of("frac_reward_zero_std"),
+        "filled_frac": mean_of("batch/filled_frac"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--steps", type=int, default=None, help="max_steps (unset: the README's run)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "outputs", "bench-dynamic-sampling"))
+    cli = parser.parse_args()
+    results = []
+    for index, seed in enumerate(cli.seeds):
+        order = cli.variants[index % len(cli.variants) :] + cli.variants[: index % len(cli.variants)]
+        for variant in order:
+            results.append(run(variant, seed, cli.steps, cli.out))
+            print(json.dumps(results[-1]), flush=True)
+    print(
+        "\n| variant | held-out accuracy after (median; per seed) | train s | generated tokens | generation s/step "
+        "| rounds/step | zero-variance groups | filled |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for variant in cli.variants:
+        rows = [r for r in results if r["variant"] == variant]
+
+        def med(key: str, rows: list = rows) -> float:
+            return statistics.median(r[key] for r in rows if r[key] is not None)
+
+        per_seed = ", ".join(f"{r['accuracy_after']:.3f}" for r in rows)
+        filled = [r["filled_frac"] for r in rows if r["filled_frac"] is not None]
+        print(
+            f"| {variant} | {med('accuracy_after'):.3f} ({per_seed}) | {med('train_seconds'):.1f} | "
+            f"{med('generated_tokens'):.0f} | {med('generation_seconds_per_step'):.3f} | {med('rounds_per_step'):.2f} | "
+            f"{med('zero_variance_frac'):.2f} | {statistics.median(filled) if filled else '-'} |"
+        )
+    with open(os.path.join(cli.out, "results.json"), "w") as handle:
+        json.dump(results, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
