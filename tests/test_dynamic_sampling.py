@@ -173,3 +173,27 @@ def test_two_ranks_train_equal_batches_when_one_ranks_groups_all_lack_signal(tmp
         assert all(std > 0 for std in rank1["group_std"])
     for entry in reports[0]["logs"]:
         assert entry["batch/filled_frac"] == 1.0 and entry["batch/zero_variance_frac"] >= 0.5
+
+
+@pytest.mark.slow
+def test_the_example_trains_with_it_under_deepspeed_zero3(tmp_path):
+    """2 processes under ZeRO-3 (every forward a collective over the ranks' shards): each step's kept groups are dealt
+    evenly, so both ranks run the same passes, and the logged batch is the filled one."""
+    from .helpers.launch import ACCELERATE_LAUNCH, read_run_summary, run_command
+
+    out = tmp_path / "zero3"
+    config = os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_zero3.yaml")
+    example = os.path.join(REPO_ROOT, "examples", "grpo.py")
+    run_command(
+        [*ACCELERATE_LAUNCH, "--config_file", config, example]
+        + ["--max_steps", "2", "--eval_size", "40", "--output_dir", str(out), "--logging_steps", "1"]
+        + ["--dynamic_sampling", "true"],
+        timeout=800,
+    )
+    summary = read_run_summary(out)
+    assert summary["world_size"] == 2 and summary["steps"] == 2
+    logs = [entry for entry in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert entry["batch/filled_frac"] == 1.0 and entry["frac_reward_zero_std"] == 0.0
+        assert entry["batch/zero_variance_frac"] > 0  # the embedded task's exact match leaves groups without signal
