@@ -41,3 +41,35 @@ def test_bad_settings_name_the_field(tmp_path):
         small_grpo_config(tmp_path, max_completion_length=5, overlong_buffer_length=6)
     with pytest.raises(ValueError, match="overlong_penalty_factor must be a positive finite reward"):
         small_grpo_config(tmp_path, overlong_buffer_length=2, overlong_penalty_factor=0.0)
+
+
+def test_in_a_multi_turn_trajectory_the_length_is_the_one_the_tool_loop_budgets(
+    tmp_path, default_model_dir, default_tokenizer
+):
+    """With tools, the penalty reads the whole trajectory after the prompt (sampled and tool tokens), the length TRL's
+    max_completion_length budget counts: with the ramp over the whole budget, each trajectory loses its length / 180."""
+    from trlx_scale.tasks.tool_chat_template import with_tool_template
+
+    from .helpers.inc_tool_calls import EVERY_TURN_CALLS_INC, inc, inc_dataset, length_reward
+
+    class Recording(GRPOTrainer):
+        def _tool_call_loop(self, *args):
+            self.recorded_loop = super()._tool_call_loop(*args)
+            return self.recorded_loop
+
+    budget = EVERY_TURN_CALLS_INC["max_completion_length"]
+    args = small_grpo_config(tmp_path, **EVERY_TURN_CALLS_INC, overlong_buffer_length=budget)
+    trainer = Recording(
+        model=default_model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=inc_dataset(2),
+        processing_class=with_tool_template(default_tokenizer),
+        tools=[inc],
+    )
+    trainer.train()
+    tool_mask, _, completion_ids, *_ = trainer.recorded_loop
+    assert any(0 in mask for mask in tool_mask)  # the trajectories hold tool tokens
+    expected = -sum(len(ids) for ids in completion_ids) / len(completion_ids) / budget
+    (log,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert log["rewards/overlong_penalty/mean"] == pytest.approx(expected, abs=1e-6)
