@@ -83,6 +83,22 @@ def test_a_step_that_cannot_fill_trains_on_what_it_has_and_says_so(tmp_path):
     assert all(len(rollout["answers"]) == 8 for rollout in trainer.rollouts)
 
 
+def test_a_spread_floor_drops_groups_whose_rewards_differ_too_little(tmp_path):
+    """dynamic_sampling_min_std above every group's reward std (token hashes in [0, 1]: std well under 0.9): every
+    group is dropped, though the odd-answer groups' rewards do differ."""
+    trainer = _train(
+        tmp_path,
+        odd_answers_only,
+        dynamic_sampling_min_std=0.9,
+        dynamic_sampling_max_rounds=1,
+    )
+    logs = _logs(trainer)
+    assert [entry["batch/zero_variance_frac"] for entry in logs] == [1.0, 1.0]
+    assert [entry["batch/filled_frac"] for entry in logs] == [0.0, 0.0]
+    # Groups with spread (below the floor) were among them: dropped, then trained as the fill.
+    assert any((rollout["rewards"][:, 0].view(-1, 4).std(dim=1) > 0).any() for rollout in trainer.rollouts)
+
+
 def test_the_batch_of_kept_groups_is_what_trls_loss_trains(tmp_path):
     """The kept groups' advantages are their own group's (TRL's formula on the trained batch's rewards), so the loss
     TRL computes on this batch is the loss of those groups alone: no dropped group moves a kept one's baseline."""
