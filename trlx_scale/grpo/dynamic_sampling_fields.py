@@ -43,7 +43,7 @@ class DynamicSamplingFields:
             "help": "With dynamic_sampling: the largest over-sampling factor of the first generation round. The "
             "factor is 1 / (1 - z) for z the recent fraction of zero-variance groups (an exponential average over "
             "steps), capped by this: extra prompts ride in the same engine call instead of a second round. 2.0: "
-            "room for up to half the groups without signal (the embedded task had 43%: 1.5 rounds a step against "
+            "room for up to half the groups without signal (the embedded task had 43 percent: 1.5 rounds a step against "
             "4.5 without over-sampling, docs/benchmarks.md); a larger cap costs generation when z falls."
         },
     )
