@@ -576,6 +576,43 @@ def test_resume_is_exact(server, default_model_dir, tmp_path, max_staleness):
     assert logged(resumed, "grad_norm")[2:] == pytest.approx(logged(straight, "grad_norm")[2:], rel=1e-5)
 
 
+def test_dynamic_sampling_replaces_groups_in_the_producer(server, default_model_dir, tmp_path):
+    """dynamic_sampling in the async trainer: the producer drops a group whose rewards are all equal and samples its
+    slot again (another prompt), so a step trains on groups with signal where any of 3 attempts found one. What TRL
+    reports of the batch trained (frac_reward_zero_std) is what the producer could not fill (1 - filled_frac); the
+    replacements were sampled by their slots' versions (staleness within the bound); the rows trained are the
+    replacements' prompts (the engine checks each group's prompt ids against the trainer's tokenization of them)."""
+    trainer = _async(
+        tmp_path, default_model_dir, server, max_staleness=1, dynamic_sampling=True, max_steps=4, learning_rate=5e-3
+    )
+    trainer.train()
+    zero_std = logged(trainer, "frac_reward_zero_std")
+    filled = logged(trainer, "batch/filled_frac")
+    assert len(filled) == 4
+    assert zero_std == pytest.approx([1.0 - value for value in filled])
+    assert max(logged(trainer, "batch/zero_variance_frac")) > 0  # the task has groups without signal: some dropped
+    assert max(logged(trainer, "batch/generation_rounds")) > 1
+    assert all(factor >= 1 for factor in logged(trainer, "batch/oversampling_factor"))
+    assert max(logged(trainer, "async/staleness_max")) <= 1
+
+
+def test_dynamic_sampling_resumes_exactly_with_replaced_groups_in_the_window(server, default_model_dir, tmp_path):
+    """A checkpoint at step 2 with max_staleness=1 carries step 3's groups, replacements included (their attempts
+    saved): the resumed run trains on the same rows and groups, so its rewards, fill and losses are the straight
+    run's."""
+    settings = dict(max_staleness=1, learning_rate=5e-3, dynamic_sampling=True)
+    straight = _async(tmp_path / "a", default_model_dir, server, save_strategy="steps", save_steps=2, **settings)
+    straight.train()
+    checkpoint = tmp_path / "a" / "async" / "checkpoint-2"
+    resumed = _async(tmp_path / "b", default_model_dir, server, **settings)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert logged(resumed, "reward") == logged(straight, "reward")
+    assert logged(resumed, "batch/filled_frac") == logged(straight, "batch/filled_frac")
+    assert logged(resumed, "batch/generation_rounds") == logged(straight, "batch/generation_rounds")
+    assert max(logged(straight, "batch/generation_rounds")) > 1  # some group was replaced
+    assert torch.allclose(torch.tensor(logged(resumed, "loss")), torch.tensor(logged(straight, "loss")), atol=1e-7)
+
+
 def _finished_requests(url: str) -> float:
     """The requests a vLLM server has finished (its Prometheus counter, every finish reason)."""
     import httpx

@@ -41,6 +41,9 @@ class RolloutWindowCheckpoint(TrainerPart):
             "next_index": next_index,
             "oldest_version": oldest_version,
         }
+        if trainer.args.dynamic_sampling:  # absent: off, as in windows saved before it existed
+            settings["dynamic_sampling_max_rounds"] = trainer.args.dynamic_sampling_max_rounds
+            settings["dynamic_sampling_min_std"] = trainer.args.dynamic_sampling_min_std
         if trainer.args.optimizer_steps_per_rollout != 1:  # absent: 1, as in windows saved before it could be more
             settings["optimizer_steps_per_rollout"] = trainer.args.optimizer_steps_per_rollout
         return settings

@@ -210,10 +210,10 @@ class AsyncGRPOConfig(GRPOConfig):
         self.use_vllm = True
         self.vllm_mode = "server"
         super().__post_init__()
-        if self.dynamic_sampling:
+        if self.dynamic_sampling and self.dynamic_sampling_max_carry is not None:
             raise ValueError(
-                "dynamic_sampling is GRPOTrainer's so far: AsyncGRPOTrainer's producer does not yet replace the groups "
-                "it drops. Train with GRPOTrainer, or set dynamic_sampling=False."
+                "dynamic_sampling_max_carry: AsyncGRPOTrainer carries no group over (its producer replaces each "
+                "dropped group as soon as it is scored, so no step has a surplus). Leave it unset."
             )
         if self.importance_sampling_level == "sequence" and self.vllm_importance_sampling_mode == "token_truncate":
             # GSPO (its recipe sets the level): the behaviour weight at the level of the objective's ratio.

@@ -34,6 +34,10 @@ class ProducerFeed(TrainerPart):
                 # scores while the trainer's own state moves on.
                 "trainer_state": copy.copy(self.trainer.state),
             }
+            if self.trainer.dynamic_sampling is not None:  # the prompts of the group's replacements, if it needs any
+                entries[self.trainer._next_prefetch]["replacements"] = self.trainer.dynamic_sampling.replacements(
+                    self.trainer._next_prefetch, self.group_prompt_ids
+                )
             self.trainer._next_prefetch += 1
         with self.trainer._prompt_lock:
             self.trainer._prompt_cache.update(entries)

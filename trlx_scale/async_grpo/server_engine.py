@@ -116,6 +116,7 @@ class AsyncEngineBuilder(TrainerPart):
             seed_for=self.trainer.producer_feed.group_seed,
             ready=ready,
             gate=client.gate,  # each HTTP request counted, not each group: a reload waits for no tool
+            replacement=None if self.trainer.dynamic_sampling is None else self.trainer.dynamic_sampling.replacement(),
         )
         producer.start()
         try:  # several processes: the delivery store may fail to start (every rank raises it); leave no thread

@@ -64,6 +64,7 @@ from ..rollout.staleness import StalenessSchedule
 from .behaviour_metrics import BehaviourMetrics
 from .checkpoint_window import RolloutWindowCheckpoint
 from .config import AsyncGRPOConfig
+from .dynamic_sampling import AsyncDynamicSampling
 from .gym_rollout import ServerGymRollout
 from .producer_feed import ProducerFeed
 from .server_engine import AsyncEngineBuilder
@@ -234,6 +235,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 mask = mask * output["tool_mask"]
             self.behaviour.log(output["old_per_token_logps"], output["sampling_per_token_logps"], mask)
         return output
+
+    def _build_dynamic_sampling(self) -> AsyncDynamicSampling:
+        return AsyncDynamicSampling(self)
 
     def _rollout_has_images(self, inputs) -> bool:
         # Every rollout is the producer's, through the collector (the servers refuse images with a clear error).

@@ -398,20 +398,25 @@ class ServerGeneration:
         logprobs = [[[value] for value in values] for group in groups for values in group.sampled.logprobs]
         return list(prompts), completion_ids, logprobs, None
 
+    @contextlib.contextmanager
+    def _update_error_first(self):
+        """A producer that stopped because a weight update failed raises that update's error (not finish_delivery,
+        a collective: another rank's delivery may not have ended yet; the caller's block tells every rank)."""
+        try:
+            yield
+        except RolloutProducerError:
+            if self._pending is not None and self._pending.error is not None:
+                pending, self._pending = self._pending, None
+                raise pending.error from pending.error.__cause__  # its own cause kept
+            raise
+
     def take_groups(self, count: int, prompt_ids: list[list[int]] | None = None) -> list[ScoredGroup]:
         """The producer's next ``count`` scored groups (the same error on every rank if any rank fails);
         ``prompt_ids``: the trainer's tokenization of each group's prompt, checked against the
         producer's (None: the rollout renders its own prompts, a ``GymRollout``)."""
         with failing_together(self.accelerator, "taking this step's rollout groups"):
-            try:
+            with self._update_error_first():
                 groups = self.producer.take(count, timeout=self.request_timeout)
-            except RolloutProducerError:
-                if self._pending is not None and self._pending.error is not None:
-                    # The producer stopped because an update failed: raise that error (not finish_delivery, a
-                    # collective: another rank's delivery may not have ended yet; this block tells every rank).
-                    pending, self._pending = self._pending, None
-                    raise pending.error from pending.error.__cause__  # its own cause kept
-                raise
             for group, row in zip(groups, prompt_ids or [], strict=False):
                 if list(row) != list(group.sampled.prompt_ids):
                     raise RuntimeError(
@@ -423,6 +428,13 @@ class ServerGeneration:
             self._step_metrics[name] = value
         record_served_groups(groups)  # for the trainer's sampling stage (compat.trl_generation_call)
         return groups
+
+    def upcoming_groups(self, count: int) -> list[ScoredGroup]:
+        """The groups the next ``take_groups(count)`` returns, once ready, left queued (dynamic sampling: the
+        trainer's rows are the prompts of its slots' kept groups); the same error on every rank if any rank fails."""
+        with failing_together(self.accelerator, "waiting for this step's rollout groups"):
+            with self._update_error_first():
+                return self.producer.peek(count, timeout=self.request_timeout)
 
     def _generate_for_evaluation(self, prompts, num_generations):
         """Evaluation's prompts are not the producer's stream: sampled now, by the version served (the trainer's

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
-from trl.trainer.utils import nanstd
 
 from ..compat import trl_trainer_state as trl_state
 from ..rollout.batch import RolloutBatch
 from ..rollout.collector import RolloutCollector, RolloutSamples
+from ..rollout.group_signal import informative_groups
 from ..rollout.refill_prompts import RefillPrompts
 from ..trainer_part import TrainerPart
 
@@ -174,11 +174,7 @@ class DynamicSampling(TrainerPart):
         size = trainer.num_generations
         prompts, samples = collector.sample(rows)
         rewards = collector.score(rows, prompts, samples)  # (B_all, F), every rank's rows, rank 0's first
-        weighted = (rewards * trainer.reward_weights.to(rewards.device).unsqueeze(0)).nansum(dim=1)
-        weighted[torch.isnan(rewards).all(dim=1)] = torch.nan
-        spread = nanstd(weighted.view(-1, size), dim=1)
-        floor = trainer.args.dynamic_sampling_min_std
-        signal = ~(torch.isclose(spread, torch.zeros_like(spread)) | (spread <= floor) | torch.isnan(spread))
+        signal = informative_groups(rewards, trainer.reward_weights, size, trainer.args.dynamic_sampling_min_std)
         start = trainer.accelerator.process_index * len(rows)
         local = rewards[start : start + len(rows)].tolist()
         groups = [

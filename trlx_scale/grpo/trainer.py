@@ -171,7 +171,7 @@ class GRPOTrainer(
         self.tool_loop = ColocatedToolLoop(self)
         self.gym_rollout = ColocatedGymRollout(self)
         # DAPO's dynamic sampling: training rollouts of informative groups only (grpo.dynamic_sampling).
-        self.dynamic_sampling = DynamicSampling(self) if self.args.dynamic_sampling else None
+        self.dynamic_sampling = self._build_dynamic_sampling() if self.args.dynamic_sampling else None
         self._rollout_scorer = rollout_reward_scorer(self.reward_funcs, self.args.reward_scoring)
         # GSPO-token runs through TRL's "token" branch: its weights come from the loss pass's log-probs, shifted in
         # _postprocess_loss_logps (TRL reads this attribute only in _compute_loss; pinned by a contract test).
@@ -423,6 +423,11 @@ class GRPOTrainer(
         batch = self._finish_rollout(batch)
         # Then the samples are dealt to the ranks by cost where that leaves the loss unchanged (balance_ranks).
         return self.rank_balance.balance(batch.to_trl())
+
+    def _build_dynamic_sampling(self) -> Any:
+        """Seam: the component whose ``collect(rows, version)`` builds a training rollout of informative groups
+        (here ``grpo.dynamic_sampling``; the asynchronous trainer's replaces groups in its producer)."""
+        return DynamicSampling(self)
 
     def _rollout_has_images(self, inputs) -> bool:
         """Rows with images, or a vision-language model's tools (whose results may carry images): TRL's rollout."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hashlib
 import threading
 import time
@@ -38,6 +39,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .group_replacement import GroupReplacement, attempt_seed
 from .request_gate import RequestGate
 from .staleness import StalenessSchedule
 
@@ -71,12 +73,16 @@ class SampledGroup:
 
 @dataclass
 class ScoredGroup:
-    """A sampled group with its rewards ((completions, reward functions), NaN for None) and its staleness."""
+    """A sampled group with its rewards ((completions, reward functions), NaN for None) and its staleness. With
+    dynamic sampling (``GroupReplacement``): how many groups its slot sampled (this one the last) and whether it was
+    kept for its signal (False: the slot ran out of attempts)."""
 
     request: GroupRequest
     sampled: SampledGroup
     rewards: list[list[float]]
     staleness: int
+    attempts: int = 1
+    informative: bool = True
 
     @property
     def index(self) -> int:
@@ -128,6 +134,7 @@ class RolloutProducer:
         ready: Sequence[ScoredGroup] = (),
         clock: Callable[[], float] = time.monotonic,
         gate: RequestGate | None = None,
+        replacement: GroupReplacement | None = None,
     ):
         if max_inflight_tasks < 1:
             raise ValueError(f"max_inflight_tasks must be at least 1, got {max_inflight_tasks}.")
@@ -147,6 +154,7 @@ class RolloutProducer:
         # (group index, version, prompt) -> the request's seed; default: ``group_seed`` of the run's seed.
         self.seed_for = seed_for or (lambda index, version, prompt: group_seed(seed, version, index))
         self._clock = clock
+        self.replacement = replacement  # dynamic sampling: a dropped group's slot is sampled again
 
         expected = list(range(schedule.start_index, schedule.start_index + len(ready)))
         if [group.index for group in ready] != expected:
@@ -219,25 +227,37 @@ class RolloutProducer:
 
     def take(self, count: int, timeout: float) -> list[ScoredGroup]:
         """The next ``count`` groups in order, blocking at most ``timeout`` seconds for them."""
-        began = self._clock()
-        deadline = time.monotonic() + timeout
         with self._lock:
-            wanted = range(self._next_take, self._next_take + count)
-            self._wait_until_ready(
-                wanted,
-                deadline,
-                lambda missing: (
-                    f"no rollout for groups {missing[:8]} after {timeout:.0f} s (published version "
-                    f"{self._published}, {self._in_flight} groups in flight): the generation server answers too slowly "
-                    "or not at all. Check the server, or raise request_timeout."
-                ),
-            )
+            wanted = self._wait_for_next(count, timeout)
             groups = [self._ready.pop(index) for index in wanted]
             self._next_take += count
-            self._trainer_idle += self._clock() - began
             self._taken_staleness.extend(group.staleness for group in groups)
         self._poke()  # room in the queue
         return groups
+
+    def peek(self, count: int, timeout: float) -> list[ScoredGroup]:
+        """The next ``count`` groups in order, as ``take`` would return them, left queued for ``take`` (dynamic
+        sampling: the trainer trains on the prompts its slots' kept groups have)."""
+        with self._lock:
+            return [self._ready[index] for index in self._wait_for_next(count, timeout)]
+
+    def _wait_for_next(self, count: int, timeout: float) -> range:
+        """With the lock held: block (at most ``timeout`` seconds, counted as the trainer's idle time) until the next
+        ``count`` groups are ready; their indices."""
+        began = self._clock()
+        deadline = time.monotonic() + timeout
+        wanted = range(self._next_take, self._next_take + count)
+        self._wait_until_ready(
+            wanted,
+            deadline,
+            lambda missing: (
+                f"no rollout for groups {missing[:8]} after {timeout:.0f} s (published version "
+                f"{self._published}, {self._in_flight} groups in flight): the generation server answers too slowly "
+                "or not at all. Check the server, or raise request_timeout."
+            ),
+        )
+        self._trainer_idle += self._clock() - began
+        return wanted
 
     def pop_metrics(self) -> dict[str, float]:
         """The ``async/*`` metrics of the window since the last call."""
@@ -463,21 +483,40 @@ class RolloutProducer:
         if self._in_flight == 0:
             self._idle_since = self._clock()
 
+    async def _sample_and_score(self, request: GroupRequest) -> tuple[SampledGroup, list[list[float]]]:
+        if self._sampler_gates_requests:
+            sampled = await self.sampler.sample(request)
+        else:
+            async with self.gate.request():
+                sampled = await self.sampler.sample(request)
+        self.schedule.check(request.index, sampled.version)
+        if len(sampled.completion_ids) != request.num_generations:
+            raise RuntimeError(
+                f"group {request.index}: the sampler returned {len(sampled.completion_ids)} completions, "
+                f"{request.num_generations} were asked for."
+            )
+        return sampled, await self.score(request, sampled)
+
+    async def _slot_group(self, request: GroupRequest) -> ScoredGroup:
+        """The group the slot ``request.index`` trains on: its first group, or with dynamic sampling the first one
+        kept among at most ``max_attempts`` (``rollout.group_replacement``)."""
+        first, attempt = request, 0
+        while True:
+            sampled, rewards = await self._sample_and_score(request)
+            staleness = self.schedule.staleness(request.index, sampled.version)
+            if self.replacement is None:
+                return ScoredGroup(request, sampled, rewards, staleness)
+            kept = self.replacement.keeps(rewards)
+            attempt += 1
+            if kept or attempt >= self.replacement.max_attempts:
+                return ScoredGroup(request, sampled, rewards, staleness, attempts=attempt, informative=kept)
+            prompt = self.replacement.prompt_for(first.prompt, attempt)
+            seed = self.seed_for(first.index, first.version, prompt)
+            request = dataclasses.replace(first, prompt=prompt, seed=attempt_seed(seed, attempt))
+
     async def _run_group(self, request: GroupRequest) -> None:
         try:
-            if self._sampler_gates_requests:
-                sampled = await self.sampler.sample(request)
-            else:
-                async with self.gate.request():
-                    sampled = await self.sampler.sample(request)
-            self.schedule.check(request.index, sampled.version)
-            if len(sampled.completion_ids) != request.num_generations:
-                raise RuntimeError(
-                    f"group {request.index}: the sampler returned {len(sampled.completion_ids)} completions, "
-                    f"{request.num_generations} were asked for."
-                )
-            rewards = await self.score(request, sampled)
-            scored = ScoredGroup(request, sampled, rewards, self.schedule.staleness(request.index, sampled.version))
+            scored = await self._slot_group(request)
         except asyncio.CancelledError:
             with self._lock:
                 self._group_ended()

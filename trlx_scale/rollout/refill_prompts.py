@@ -5,7 +5,8 @@ the same step (over-sampling, another round). They come from a stream of its own
 sampler (and with it which prompts later steps get) is untouched: a seeded permutation per pass over the dataset,
 rank ``r`` of ``w`` taking every ``w``-th prompt from position ``r``, each prompt's row repeated ``num_generations``
 times (a group). Its position is the only state (checkpointed with the dynamic sampling state, so a resumed run draws
-what the uninterrupted one drew).
+what the uninterrupted one drew). ``AsyncGRPOTrainer`` reads it by position instead (``row_at``): the replacements of
+group ``k`` are a function of ``k``, whatever the timing.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ class RefillPrompts:
             self._order = (epoch, torch.randperm(len(self.dataset), generator=generator).tolist())
         return self._order[1][offset]
 
+    def row_at(self, position: int) -> dict[str, Any]:
+        """The dataset row of this rank's ``position``-th group of the stream, whatever was drawn before (the
+        asynchronous producer reads its replacements by position: a function of the group they replace)."""
+        return self.dataset[self._index(position * self.world_size + self.rank)]
+
     def draw(self, groups: int) -> list[dict[str, Any]]:
         """The rows of the next ``groups`` groups: each prompt's row ``num_generations`` times in a row."""
         rows: list[dict[str, Any]] = []
         for step in range(groups):
-            row = self.dataset[self._index((self.position + step) * self.world_size + self.rank)]
+            row = self.row_at(self.position + step)
             rows.extend(dict(row) for _ in range(self.num_generations))
         self.position += groups
         return rows

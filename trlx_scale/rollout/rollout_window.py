@@ -10,7 +10,7 @@ waits for work that is not wasted.
 
 The file holds tensors and plain values only (``torch.load(weights_only=True)``): completion token ids, the
 behaviour log-probs in float64 (the server's values, bit for bit), the rewards, and per group its index, request
-version, seed, sampled version, staleness and prompt ids, its completions as the sampler gave them (text, or a
+version, seed, sampled version, staleness, prompt ids and dynamic sampling's attempts, its completions as the sampler gave them (text, or a
 multi-turn trajectory's messages) and the sampler's other ``extras`` (a multi-turn group's first turns, tool masks
 and counts: ``agents.server_tool_sampler``), which must be plain values too. The settings that decide the schedule
 are saved beside them; a run whose settings differ regenerates the window instead (``window_mismatch``).
@@ -81,6 +81,9 @@ def save_window(path: str, groups: list[ScoredGroup], settings: dict[str, int]) 
         "seeds": [group.request.seed for group in groups],
         "sampled_versions": [group.sampled.version for group in groups],
         "staleness": [group.staleness for group in groups],
+        # Dynamic sampling: how many groups each slot sampled, and whether the one kept had signal.
+        "attempts": [group.attempts for group in groups],
+        "informative": [group.informative for group in groups],
         # The trainer's policy version of the weights that sampled each group (the sampled version is the rollout's).
         "policy_versions": [group.sampled.extras.get(RolloutPolicyVersions.EXTRAS_KEY) for group in groups],
         "prompt_ids": [list(group.sampled.prompt_ids or []) for group in groups],
@@ -140,7 +143,17 @@ def load_window(path: str) -> tuple[dict[str, int], list[ScoredGroup]]:
             sampled.version if policy_version is None else policy_version
         )
         rewards = state["rewards"][position].tolist()
-        groups.append(ScoredGroup(request, sampled, rewards, state["staleness"][position]))
+        count = len(state["indices"])
+        groups.append(
+            ScoredGroup(
+                request,
+                sampled,
+                rewards,
+                state["staleness"][position],
+                attempts=state.get("attempts", [1] * count)[position],
+                informative=state.get("informative", [True] * count)[position],
+            )
+        )
         row += size
     return state["settings"], groups
 
