@@ -143,8 +143,14 @@ def test_bad_settings_name_the_field(tmp_path):
         small_grpo_config(tmp_path, dynamic_sampling_min_std=-1.0)
     with pytest.raises(ValueError, match="PPO's advantages come from its critic"):
         small_grpo_config(tmp_path, PPOConfig, dynamic_sampling=True)
-    with pytest.raises(ValueError, match="dynamic_sampling is GRPOTrainer's so far"):
-        small_grpo_config(tmp_path, AsyncGRPOConfig, dynamic_sampling=True, vllm_server_base_url="http://x:1")
+    with pytest.raises(ValueError, match="dynamic_sampling_max_carry: AsyncGRPOTrainer carries no group over"):
+        small_grpo_config(
+            tmp_path,
+            AsyncGRPOConfig,
+            dynamic_sampling=True,
+            dynamic_sampling_max_carry=2,
+            vllm_server_base_url="http://x:1",
+        )
 
 
 def test_multi_turn_rollouts_are_refused_by_name(tmp_path, default_model_dir, default_tokenizer):

@@ -65,11 +65,11 @@ class AsyncDynamicSampling(TrainerPart):
     def check(self) -> None:
         """At construction: what dynamic sampling cannot replace yet, refused by name."""
         trainer = self.trainer
-        if trainer.tools or trainer.environment_factories is not None or trainer.rollout_func is not None:
+        if trainer.environment_factories is not None or trainer.rollout_func is not None:
             raise ValueError(
-                "dynamic_sampling replaces single-turn groups: tools, environment_factory and rollout_func hold "
-                "per-trajectory state (environments) that a replacement would have to rebuild. Set "
-                "dynamic_sampling=False for multi-turn rollouts."
+                "dynamic_sampling replaces groups of single-turn or tool-calling rollouts (tools=[...]): "
+                "environment_factory and rollout_func hold per-trajectory state (environments, episodes) that a "
+                "replacement would have to rebuild. Set dynamic_sampling=False for them."
             )
         if not hasattr(trainer.train_dataset, "__len__"):
             raise ValueError(

@@ -59,6 +59,7 @@ class ScoredGroup:
     sampling_logps: list[list[float]] | None
     rewards: list[list[float]]  # (num_generations, reward functions), NaN where a function returned None
     version: int
+    tool_mask: list[list[int]] | None = None  # a tool trajectory's: 1 on sampled tokens, 0 on tool results
 
 
 class DynamicSampling(TrainerPart):
@@ -82,11 +83,11 @@ class DynamicSampling(TrainerPart):
     def check(self) -> None:
         """At construction: what dynamic sampling cannot replace yet, refused by name."""
         trainer = self.trainer
-        if trainer.tools or trainer.environment_factories is not None or trainer.rollout_func is not None:
+        if trainer.environment_factories is not None or trainer.rollout_func is not None:
             raise ValueError(
-                "dynamic_sampling replaces single-turn groups: tools, environment_factory and rollout_func hold "
-                "per-trajectory state (environments) that cannot be moved between ranks or carried to the next step "
-                "yet. Set dynamic_sampling=False for multi-turn rollouts."
+                "dynamic_sampling replaces groups of single-turn or tool-calling rollouts (tools=[...]): "
+                "environment_factory and rollout_func hold per-trajectory state (environments) that cannot be moved "
+                "between ranks or carried to the next step yet. Set dynamic_sampling=False for them."
             )
         if not hasattr(trainer.train_dataset, "__len__"):
             raise ValueError(
@@ -187,6 +188,9 @@ class DynamicSampling(TrainerPart):
                 sampling_logps=None if samples.sampling_logps is None else samples.sampling_logps[i : i + size],
                 rewards=local[i : i + size],
                 version=version,
+                tool_mask=None
+                if samples.tool_mask is None
+                else [list(mask) for mask in samples.tool_mask[i : i + size]],
             )
             for i in range(0, len(rows), size)
         ]
@@ -202,7 +206,9 @@ class DynamicSampling(TrainerPart):
         samples = RolloutSamples(
             prompt_ids=[ids for group in mine for ids in group.prompt_ids],
             completion_ids=[ids for group in mine for ids in group.completion_ids],
-            tool_mask=None,
+            tool_mask=None
+            if any(group.tool_mask is None for group in mine)
+            else [mask for group in mine for mask in group.tool_mask],
             completions=[completion for group in mine for completion in group.completions],
             sampling_logps=None
             if any(group.sampling_logps is None for group in mine)
