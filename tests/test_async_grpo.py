@@ -1306,6 +1306,64 @@ def test_gym_episodes_run_in_the_producer(server, default_model_dir, default_tok
     assert max(logged(trainer, "async/sampler_trainer_kl")) < 1e-3  # observations are not behaviour samples
 
 
+def _flat_on_even_rows(completion_ids, flat, **kwargs) -> list[float]:
+    """No signal on the rows marked flat (a constant), a function of the completion's tokens on the others."""
+    return [
+        0.5 if is_flat else (sum(ids) % 97) / 97 for ids, is_flat in zip(completion_ids, flat, strict=True)
+    ]
+
+
+def test_dynamic_sampling_replaces_tool_trajectories_with_their_prompts_rows(
+    server, default_model_dir, default_tokenizer, tmp_path
+):
+    """tools=[lookup] on the server, half the prompts without signal: the producer replaces their trajectories with
+    trajectories of other prompts, and the trainer trains on the replacements' rows (TRL's tool loop renders those
+    prompts; the engine checks their token ids against the producer's). A filled step's rows are all from prompts
+    with signal; TRL's frac_reward_zero_std of the trained batch is what the producer could not fill."""
+    from datasets import Dataset
+
+    def lookup(q: str) -> str:
+        """Look a query up.
+
+        Args:
+            q: The query.
+        """
+        return "r" * (1 + len(q) % 5)
+
+    class Recording(AsyncGRPOTrainer):
+        def _finish_rollout(self, batch):
+            self.trained_flat.append([row["flat"] for row in batch.rows])
+            return super()._finish_rollout(batch)
+
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+{i + 3}"}], "flat": i % 2 == 0} for i in range(16)]
+    trainer = Recording(
+        model=default_model_dir,
+        reward_funcs=_flat_on_even_rows,
+        args=small_grpo_config(
+            tmp_path / "tools",
+            AsyncGRPOConfig,
+            vllm_server_base_url=server.url,
+            max_steps=3,
+            max_staleness=1,
+            max_completion_length=40,
+            max_tool_calling_iterations=2,
+            dynamic_sampling=True,
+            dynamic_sampling_max_rounds=4,
+        ),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=_tool_tokenizer(default_tokenizer, "lookup", "q"),
+        tools=[lookup],
+    )
+    trainer.trained_flat = []
+    trainer.train()
+    filled = logged(trainer, "batch/filled_frac")
+    assert logged(trainer, "frac_reward_zero_std") == pytest.approx([1.0 - value for value in filled])
+    assert max(logged(trainer, "batch/zero_variance_frac")) > 0 and max(logged(trainer, "batch/generation_rounds")) > 1
+    for step_filled, flat in zip(filled, trainer.trained_flat, strict=True):
+        assert sum(flat) / len(flat) == pytest.approx(1.0 - step_filled)  # the unfilled slots are the flat rows
+    assert max(logged(trainer, "tools/call_frequency")) > 0  # the trajectories did call the tool
+
+
 class _Observing:
     def reset(self, **row):
         return "an observation"

@@ -153,10 +153,13 @@ def test_bad_settings_name_the_field(tmp_path):
         )
 
 
-def test_multi_turn_rollouts_are_refused_by_name(tmp_path, default_model_dir, default_tokenizer):
-    from trlx_scale.tasks.tool_chat_template import with_tool_template
+class _Lookup:
+    """A TRL environment (environment_factory): per-trajectory state dynamic sampling cannot move yet."""
 
-    def lookup(q: str) -> str:
+    def reset(self, **kwargs) -> str:
+        return ""
+
+    def lookup(self, q: str) -> str:
         """Look a query up.
 
         Args:
@@ -164,16 +167,76 @@ def test_multi_turn_rollouts_are_refused_by_name(tmp_path, default_model_dir, de
         """
         return "ok"
 
+
+def test_environment_rollouts_are_refused_by_name(tmp_path, default_model_dir, default_tokenizer):
+    from trlx_scale.tasks.tool_chat_template import with_tool_template
+
     args = small_grpo_config(tmp_path, **ENGINE, dynamic_sampling=True)
-    with pytest.raises(ValueError, match="dynamic_sampling replaces single-turn groups"):
+    with pytest.raises(ValueError, match="environment_factory and rollout_func hold per-trajectory state"):
         GRPOTrainer(
             default_model_dir,
             odd_answers_only,
             args,
             train_dataset=addition_dataset("train", size=8),
             processing_class=with_tool_template(default_tokenizer),
-            tools=[lookup],
+            environment_factory=_Lookup,
         )
+
+
+@pytest.mark.slow
+def test_tool_trajectories_keep_their_own_tool_mask(tmp_path):
+    """The embedded tool model with tools=[add] on the calculator task, groups of 2 (about half have equal rewards):
+    every trained row's tool mask (0 on the tool's result, which the loss leaves out) is the one TRL's tool loop
+    returned for that very completion, through the drops, the second rounds and the carried-over groups; what TRL
+    reports of the trained batch (frac_reward_zero_std) is what dynamic sampling could not fill."""
+    from trlx_scale.tasks.calculator_task import add, calculator_dataset, exact_answer
+    from trlx_scale.tasks.tool_model import load_tool_model_tokenizer, tool_model_path
+
+    class Recording(GRPOTrainer):
+        def _sample_rollout(self, prompts, rows):
+            samples = super()._sample_rollout(prompts, rows)
+            for ids, mask in zip(samples.completion_ids, samples.tool_mask, strict=True):
+                self.sampled_masks[tuple(ids)] = list(mask)
+            return samples
+
+        def _finish_rollout(self, batch):
+            self.trained.append((batch.completion_ids, batch.completion_mask, batch.extras["tool_mask"]))
+            return super()._finish_rollout(batch)
+
+    args = small_grpo_config(
+        tmp_path,
+        **ENGINE,
+        dynamic_sampling=True,
+        num_generations=2,
+        max_completion_length=100,
+        max_tool_calling_iterations=1,
+        vllm_max_model_length=256,
+        max_steps=3,
+        learning_rate=2e-4,
+    )
+    trainer = Recording(
+        tool_model_path(),
+        exact_answer,
+        args,
+        train_dataset=calculator_dataset("train", size=64),
+        processing_class=load_tool_model_tokenizer(),
+        tools=[add],
+    )
+    trainer.sampled_masks, trainer.trained = {}, []
+    trainer.train()
+    called = 0
+    for completion_ids, completion_mask, tool_mask in trainer.trained:
+        for row in range(completion_ids.size(0)):
+            ids = completion_ids[row][completion_mask[row].bool()].tolist()
+            expected = trainer.sampled_masks[tuple(ids)]
+            assert tool_mask[row, : len(expected)].tolist() == expected
+            called += 0 in expected
+    assert called > 0  # some trained trajectories called the tool: their masks have the result left out
+    logs = _logs(trainer)
+    assert max(entry["batch/zero_variance_frac"] for entry in logs) > 0
+    assert [entry["frac_reward_zero_std"] for entry in logs] == pytest.approx(
+        [1.0 - entry["batch/filled_frac"] for entry in logs]
+    )
 
 
 @pytest.mark.slow
