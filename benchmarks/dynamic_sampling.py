@@ -1,19 +1,29 @@
-"""Dynamic sampling on the embedded addition task at the README's settings (``make run``): held-out accuracy against
-training time and against generated tokens, with and without, over several seeds.
+"""Dynamic sampling on the embedded tasks: held-out accuracy against training time and against generated tokens, with
+and without, over several seeds.
 
-Variants (each a whole ``examples/grpo.py`` run in its own process, the order rotated per seed so that no variant
-always runs first):
+Tasks (``--task``): ``addition``, the README's run (``make run``: ``examples/grpo.py``); ``calculator_tools``, the
+agentic task (``examples/grpo_tools.py``: the embedded tool model with ``tools=[add]``, its defaults from
+``trlx_scale.tasks.calculator_tool_run``, held-out accuracy every 5 steps). Trainers (``--trainer``): ``grpo``
+(colocated vLLM) or ``async_grpo`` (``AsyncGRPOTrainer`` on a vLLM server it starts, ``max_staleness=1``).
+
+Variants (each a whole run in its own process, the order rotated per seed so that no variant always runs first):
 
 - ``off``: the README's run (``dynamic_sampling=False``);
 - ``dynamic``: ``dynamic_sampling=True`` with its defaults (over-sampling in the first engine call by the learnt
   factor, carried-over groups, at most 3 rounds);
 - ``until_full``: verl's "generate until full": no over-sampling, nothing carried over, up to 8 rounds a step.
 
+``until_full`` is ``GRPOTrainer``'s (the asynchronous producer replaces each group as it is scored: no rounds).
+
 Per run: held-out accuracy before and after (and at every ``eval_every_steps``), training seconds (the held-out
 scoring excluded, as the run summary counts them), generated tokens (TRL's ``num_tokens``: prompt and completion
-tokens of every generation call), generation seconds and rounds per step. Medians over seeds.
+tokens of every generation call), generation seconds and rounds per step. Medians over seeds; then each variant's
+accuracy at the training time (and the generated tokens) of the run without: its last accuracy point reached by
+then (no interpolation), against the run without's final one.
 
     python benchmarks/dynamic_sampling.py --seeds 1 2 3 [--steps 200] [--out outputs/bench-dynamic-sampling]
+    python benchmarks/dynamic_sampling.py --task calculator_tools --variants off dynamic --seeds 1 2 3
+    python benchmarks/dynamic_sampling.py --task calculator_tools --trainer async_grpo --variants off dynamic
 """
 
 from __future__ import annotations
@@ -42,10 +52,20 @@ VARIANTS = {
 }
 
 
-def run(variant: str, seed: int, steps: int | None, out: str) -> dict:
-    output_dir = os.path.join(out, f"{variant}-seed{seed}")
-    command = [sys.executable, os.path.join(REPO_ROOT, "examples", "grpo.py"), "--seed", str(seed)]
-    command += ["--output_dir", output_dir, "--report_to", "none", *VARIANTS[variant]]
+EXAMPLES = {"grpo": "grpo.py", "async_grpo": "async_grpo.py"}
+TASK_FLAGS = {
+    "addition": [],
+    # Every 5 steps: the curve that accuracy at the same training time is read from (the task's run is 30 steps).
+    "calculator_tools": ["--task", "calculator_tools", "--eval_every_steps", "5", "--logging_steps", "1"],
+}
+TRAINER_FLAGS = {"grpo": [], "async_grpo": ["--max_staleness", "1"]}
+
+
+def run(variant: str, seed: int, steps: int | None, out: str, task: str = "addition", trainer: str = "grpo") -> dict:
+    output_dir = os.path.join(out, f"{task}-{trainer}-{variant}-seed{seed}")
+    command = [sys.executable, os.path.join(REPO_ROOT, "examples", EXAMPLES[trainer]), "--seed", str(seed)]
+    command += ["--output_dir", output_dir, "--report_to", "none", *TASK_FLAGS[task], *TRAINER_FLAGS[trainer]]
+    command += VARIANTS[variant]
     if steps is not None:
         command += ["--max_steps", str(steps)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
@@ -63,8 +83,11 @@ def run(variant: str, seed: int, steps: int | None, out: str) -> dict:
         return statistics.fmean(values) if values else None
 
     return {
+        "task": task,
+        "trainer": trainer,
         "variant": variant,
         "seed": seed,
+        "steps": summary["steps"],
         "accuracy_before": summary["accuracy_before"],
         "accuracy_after": summary["accuracy_after"],
         "accuracy_curve": summary["accuracy_curve"],
@@ -82,13 +105,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=None, help="max_steps (unset: the README's run)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--task", default="addition", choices=list(TASK_FLAGS))
+    parser.add_argument("--trainer", default="grpo", choices=list(EXAMPLES))
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "outputs", "bench-dynamic-sampling"))
     cli = parser.parse_args()
+    if cli.trainer == "async_grpo" and "until_full" in cli.variants:
+        parser.error("until_full is GRPOTrainer's: the asynchronous producer has no rounds (--variants off dynamic).")
     results = []
     for index, seed in enumerate(cli.seeds):
         order = cli.variants[index % len(cli.variants) :] + cli.variants[: index % len(cli.variants)]
         for variant in order:
-            results.append(run(variant, seed, cli.steps, cli.out))
+            results.append(run(variant, seed, cli.steps, cli.out, cli.task, cli.trainer))
             print(json.dumps(results[-1]), flush=True)
     print(
         "\n| variant | held-out accuracy after (median; per seed) | train s | generated tokens | generation s/step "
@@ -108,8 +135,37 @@ def main() -> None:
             f"{med('generated_tokens'):.0f} | {med('generation_seconds_per_step'):.3f} | {med('rounds_per_step'):.2f} | "
             f"{med('zero_variance_frac'):.2f} | {statistics.median(filled) if filled else '-'} |"
         )
-    with open(os.path.join(cli.out, "results.json"), "w") as handle:
+    if "off" in cli.variants:
+        print_same_budget(results, cli.variants)
+    with open(os.path.join(cli.out, f"results-{cli.task}-{cli.trainer}.json"), "w") as handle:
         json.dump(results, handle, indent=1)
+
+
+def accuracy_by(result: dict, budget: float, key: str) -> float:
+    """The run's last held-out accuracy point reached within ``budget`` of ``key`` ("train_seconds" or
+    "generated_tokens"), each point's share of the total taken as its share of the steps (no interpolation)."""
+    reached = result["accuracy_before"]
+    for step, accuracy in result["accuracy_curve"]:
+        if step * result[key] / result["steps"] <= budget * (1 + 1e-9):
+            reached = accuracy
+    return reached
+
+
+def print_same_budget(results: list[dict], variants: list[str]) -> None:
+    """Each variant's accuracy at the run without's training time and generated tokens, seed by seed."""
+    print("\n| variant | accuracy at off's training time (median; per seed) | at off's generated tokens | off's own |")
+    print("|---|---|---|---|")
+    offs = {r["seed"]: r for r in results if r["variant"] == "off"}
+    for variant in variants:
+        rows = [r for r in results if r["variant"] == variant and r["seed"] in offs]
+        by_time = [accuracy_by(r, offs[r["seed"]]["train_seconds"], "train_seconds") for r in rows]
+        by_tokens = [accuracy_by(r, offs[r["seed"]]["generated_tokens"], "generated_tokens") for r in rows]
+        own = [offs[r["seed"]]["accuracy_after"] for r in rows]
+        print(
+            f"| {variant} | {statistics.median(by_time):.3f} ({', '.join(f'{a:.3f}' for a in by_time)}) | "
+            f"{statistics.median(by_tokens):.3f} ({', '.join(f'{a:.3f}' for a in by_tokens)}) | "
+            f"{statistics.median(own):.3f} ({', '.join(f'{a:.3f}' for a in own)}) |"
+        )
 
 
 if __name__ == "__main__":

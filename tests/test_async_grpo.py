@@ -1308,9 +1308,7 @@ def test_gym_episodes_run_in_the_producer(server, default_model_dir, default_tok
 
 def _flat_on_even_rows(completion_ids, flat, **kwargs) -> list[float]:
     """No signal on the rows marked flat (a constant), a function of the completion's tokens on the others."""
-    return [
-        0.5 if is_flat else (sum(ids) % 97) / 97 for ids, is_flat in zip(completion_ids, flat, strict=True)
-    ]
+    return [0.5 if is_flat else (sum(ids) % 97) / 97 for ids, is_flat in zip(completion_ids, flat, strict=True)]
 
 
 def test_dynamic_sampling_replaces_tool_trajectories_with_their_prompts_rows(
