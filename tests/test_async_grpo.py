@@ -703,6 +703,48 @@ def test_two_processes_train_asynchronously_and_learn(config, server, tmp_path):
 
 
 @pytest.mark.distributed
+def test_two_processes_fill_their_own_slots_with_dynamic_sampling(server, tmp_path):
+    """The async example with dynamic_sampling under `accelerate launch` with 2 DDP processes: each rank's producer
+    replaces its own groups, both ranks train every step (DDP's gradient all-reduce would hang otherwise), and the
+    metrics are every rank's: what TRL reports of the trained batch (frac_reward_zero_std, over both ranks) is what
+    the two producers could not fill."""
+    import json
+
+    out = tmp_path / "out"
+    command = [
+        *ACCELERATE_LAUNCH,
+        "--config_file",
+        os.path.join(REPO_ROOT, "configs", "accelerate", "cpu_ddp.yaml"),
+        os.path.join(REPO_ROOT, "examples", "async_grpo.py"),
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "16",
+        "--logging_steps",
+        "1",
+        "--eval_every_steps",
+        "0",
+        "--max_staleness",
+        "1",
+        "--dynamic_sampling",
+        "true",
+        "--output_dir",
+        str(out),
+        "--vllm_server_base_url",
+        server.url,
+    ]
+    run_command(command, timeout=900)
+    summary = read_run_summary(out)
+    assert summary["world_size"] == 2 and summary["steps"] == 3
+    logs = [entry for entry in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in entry]
+    assert len(logs) == 3
+    assert [entry["frac_reward_zero_std"] for entry in logs] == pytest.approx(
+        [1.0 - entry["batch/filled_frac"] for entry in logs]
+    )
+    assert max(entry["batch/zero_variance_frac"] for entry in logs) > 0
+
+
+@pytest.mark.distributed
 def test_fsdp2_sharded_policies_reach_the_server_verified(server, tmp_path):
     """FSDP2 (raw fully_shard, gloo, 2 processes: Accelerate runs FSDP only on accelerators): the trainer's weight
     path (``ServerGeneration.ensure_version``) gathers the shards tensor by tensor on every rank and the main process

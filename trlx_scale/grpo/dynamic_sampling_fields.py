@@ -26,8 +26,10 @@ class DynamicSamplingFields:
             "it has and fills the rest with dropped ones (batch/filled_frac < 1). Off (default): bit-identical to "
             "TRL's rollout; on, the batches differ from TRL's, which is why it is off by default like the other "
             "options that change what is trained (measured on the embedded task: held-out accuracy 0.542 against "
-            "0.495 in the same training time, docs/benchmarks.md). GRPOTrainer, single-turn rollouts (no tools, "
-            "environments or rollout_func)."
+            "0.495 in the same training time, docs/benchmarks.md). AsyncGRPOTrainer replaces each dropped group in "
+            "its producer as soon as it is scored (another prompt for the same slot, by the slot's policy version), "
+            "with no rounds to wait for and nothing carried over. Both trainers: single-turn rollouts or tools=[...] "
+            "(not environment_factory or rollout_func)."
         },
     )
     dynamic_sampling_min_std: float = field(
@@ -40,7 +42,7 @@ class DynamicSamplingFields:
     dynamic_sampling_max_oversample: float = field(
         default=2.0,
         metadata={
-            "help": "With dynamic_sampling: the largest over-sampling factor of the first generation round. The "
+            "help": "With dynamic_sampling, in GRPOTrainer: the largest over-sampling factor of the first generation round. The "
             "factor is 1 / (1 - z) for z the recent fraction of zero-variance groups (an exponential average over "
             "steps), capped by this: extra prompts ride in the same engine call instead of a second round. 2.0: "
             "room for up to half the groups without signal (the embedded task had 43 percent: 1.5 rounds a step against "
@@ -51,13 +53,14 @@ class DynamicSamplingFields:
         default=3,
         metadata={
             "help": "With dynamic_sampling: the most generation rounds of one step, the first included; a step that "
-            "cannot fill its batch with informative groups by then trains on what it has (never loops forever)."
+            "cannot fill its batch with informative groups by then trains on what it has (never loops forever). In "
+            "AsyncGRPOTrainer: the most groups one slot samples (a slot whose last one has no signal trains on it)."
         },
     )
     dynamic_sampling_max_carry: int | None = field(
         default=None,
         metadata={
-            "help": "With dynamic_sampling: the most informative groups kept for the next step (the oldest dropped "
+            "help": "With dynamic_sampling, in GRPOTrainer: the most informative groups kept for the next step (the oldest dropped "
             "first; they are one step stale, and vLLM's importance-sampling correction weighs them as such). "
             "Unset: one step's worth of groups."
         },

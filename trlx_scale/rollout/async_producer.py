@@ -17,7 +17,10 @@ order (blocking, with a timeout), and ``pop_metrics()``. In numbered steps:
    (``StalenessSchedule.check``), never a silently off-policy sample.
 4. The group is scored right away (``score``: reward functions awaited together, synchronous ones in a thread pool,
    ``reward_scoring``), concurrently with every other group in flight.
-5. ``take`` hands groups out in index order, so the trainer sees the same data, in the same order, as a synchronous
+5. With dynamic sampling (a ``GroupReplacement``), a scored group without signal is dropped and its slot sampled
+   again with another prompt, by the same version, within a bounded number of attempts (``rollout.group_replacement``);
+   ``peek`` shows the trainer the groups ``take`` will hand out, so that it trains on their prompts.
+6. ``take`` hands groups out in index order, so the trainer sees the same data, in the same order, as a synchronous
    run would; any error of a sampler or a reward function is raised there, in the trainer's thread.
 
 Metrics (``pop_metrics``, over the window since the last call): ``async/staleness_mean`` and ``async/staleness_max``
