@@ -106,9 +106,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="max_steps (unset: the README's run)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--task", default="addition", choices=list(TASK_FLAGS))
+    parser.add_argument(
+        "--reach", type=float, nargs="*", default=[0.95, 0.99], help="held-out accuracies to time the first reach of"
+    )
     parser.add_argument("--trainer", default="grpo", choices=list(EXAMPLES))
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "outputs", "bench-dynamic-sampling"))
+    parser.add_argument("--tables_from", default=None, help="a results JSON of an earlier run: print its tables only")
     cli = parser.parse_args()
+    if cli.tables_from is not None:
+        with open(cli.tables_from) as handle:
+            results = json.load(handle)
+        variants = list(dict.fromkeys(r["variant"] for r in results))
+        print_tables(results, variants, cli.reach)
+        return
     if cli.trainer == "async_grpo" and "until_full" in cli.variants:
         parser.error("until_full is GRPOTrainer's: the asynchronous producer has no rounds (--variants off dynamic).")
     results = []
@@ -117,12 +127,18 @@ def main() -> None:
         for variant in order:
             results.append(run(variant, seed, cli.steps, cli.out, cli.task, cli.trainer))
             print(json.dumps(results[-1]), flush=True)
+    with open(os.path.join(cli.out, f"results-{cli.task}-{cli.trainer}.json"), "w") as handle:
+        json.dump(results, handle, indent=1)
+    print_tables(results, cli.variants, cli.reach)
+
+
+def print_tables(results: list[dict], variants: list[str], reach: list[float]) -> None:
     print(
         "\n| variant | held-out accuracy after (median; per seed) | train s | generated tokens | generation s/step "
         "| rounds/step | zero-variance groups | filled |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for variant in cli.variants:
+    for variant in variants:
         rows = [r for r in results if r["variant"] == variant]
 
         def med(key: str, rows: list = rows) -> float:
@@ -135,10 +151,9 @@ def main() -> None:
             f"{med('generated_tokens'):.0f} | {med('generation_seconds_per_step'):.3f} | {med('rounds_per_step'):.2f} | "
             f"{med('zero_variance_frac'):.2f} | {statistics.median(filled) if filled else '-'} |"
         )
-    if "off" in cli.variants:
-        print_same_budget(results, cli.variants)
-    with open(os.path.join(cli.out, f"results-{cli.task}-{cli.trainer}.json"), "w") as handle:
-        json.dump(results, handle, indent=1)
+    if "off" in variants:
+        print_same_budget(results, variants)
+    print_time_to_reach(results, variants, reach)
 
 
 def accuracy_by(result: dict, budget: float, key: str) -> float:
@@ -149,6 +164,31 @@ def accuracy_by(result: dict, budget: float, key: str) -> float:
         if step * result[key] / result["steps"] <= budget * (1 + 1e-9):
             reached = accuracy
     return reached
+
+
+def first_reach(result: dict, accuracy: float, key: str) -> float | None:
+    """The training seconds or generated tokens (``key``) at the first curve point with held-out accuracy at least
+    ``accuracy`` (None: never reached)."""
+    for step, reached in result["accuracy_curve"]:
+        if reached >= accuracy:
+            return step * result[key] / result["steps"]
+    return None
+
+
+def print_time_to_reach(results: list[dict], variants: list[str], targets: list[float]) -> None:
+    """Per variant and target accuracy: the training seconds and generated tokens to reach it, median and per seed."""
+    print("\n| variant | target | train s to reach it (median; per seed) | generated tokens to reach it (median) |")
+    print("|---|---|---|---|")
+    for variant in variants:
+        rows = [r for r in results if r["variant"] == variant]
+        for target in targets:
+            seconds = [first_reach(r, target, "train_seconds") for r in rows]
+            tokens = [first_reach(r, target, "generated_tokens") for r in rows]
+            reached = [value for value in seconds if value is not None]
+            median = f"{statistics.median(reached):.1f}" if len(reached) == len(rows) else "not reached by every seed"
+            per_seed = ", ".join("-" if value is None else f"{value:.1f}" for value in seconds)
+            token_median = f"{statistics.median(tokens):.0f}" if all(value is not None for value in tokens) else "-"
+            print(f"| {variant} | {target} | {median} ({per_seed}) | {token_median} |")
 
 
 def print_same_budget(results: list[dict], variants: list[str]) -> None:
