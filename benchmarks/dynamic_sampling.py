@@ -17,7 +17,8 @@ Variants (each a whole run in its own process, the order rotated per seed so tha
 
 Per run: held-out accuracy before and after (and at every ``eval_every_steps``), training seconds (the held-out
 scoring excluded, as the run summary counts them), generated tokens (TRL's ``num_tokens``: prompt and completion
-tokens of every generation call), generation seconds and rounds per step. Medians over seeds; then each variant's
+tokens of every generation call; with the async trainer plus the tokens of the groups its producer dropped),
+generation seconds and rounds per step. Medians over seeds; then each variant's
 accuracy at the training time (and the generated tokens) of the run without: its last accuracy point reached by
 then (no interpolation), against the run without's final one.
 
@@ -61,6 +62,18 @@ TASK_FLAGS = {
 TRAINER_FLAGS = {"grpo": [], "async_grpo": ["--max_staleness", "1"]}
 
 
+def dropped_tokens(logs: list[dict]) -> float:
+    """The tokens of the groups AsyncGRPOTrainer's producer dropped (``batch/dropped_tokens``, each logged value the
+    mean over its logging window): generated but never trained, so not in TRL's ``num_tokens``, which counts the
+    tokens of the generation calls (GRPOTrainer's dropped groups included; the async trainer's calls return the
+    trained groups only). 0 for GRPOTrainer, which does not log it."""
+    total, previous = 0.0, 0
+    for entry in sorted(logs, key=lambda entry: entry["step"]):
+        total += entry.get("batch/dropped_tokens", 0.0) * (entry["step"] - previous)
+        previous = entry["step"]
+    return total
+
+
 def run(variant: str, seed: int, steps: int | None, out: str, task: str = "addition", trainer: str = "grpo") -> dict:
     output_dir = os.path.join(out, f"{task}-{trainer}-{variant}-seed{seed}")
     command = [sys.executable, os.path.join(REPO_ROOT, "examples", EXAMPLES[trainer]), "--seed", str(seed)]
@@ -92,7 +105,7 @@ def run(variant: str, seed: int, steps: int | None, out: str, task: str = "addit
         "accuracy_after": summary["accuracy_after"],
         "accuracy_curve": summary["accuracy_curve"],
         "train_seconds": summary["train_seconds"],
-        "generated_tokens": max(entry.get("num_tokens", 0) for entry in logs),
+        "generated_tokens": max(entry.get("num_tokens", 0) for entry in logs) + dropped_tokens(logs),
         "generation_seconds_per_step": mean_of("time/generation"),
         "rounds_per_step": mean_of("batch/generation_rounds") or 1.0,
         "zero_variance_frac": mean_of("batch/zero_variance_frac") or mean_of("frac_reward_zero_std"),

@@ -31,6 +31,7 @@ def _replacement() -> GroupReplacement:
         keeps=lambda rewards: len({row[0] for row in rewards}) > 1,
         prompt_for=lambda first, attempt: f"{first}/r{attempt}",
         max_attempts=MAX_ATTEMPTS,
+        token_count=lambda sampled: sum(len(ids) for ids in sampled.completion_ids),
     )
 
 
@@ -72,13 +73,16 @@ def test_a_group_without_signal_is_replaced_by_its_slots_version():
     # Slot 3: its first group was dropped, the replacement (another prompt, another seed) kept.
     assert by_index[3].attempts == 2 and by_index[3].informative
     assert by_index[3].request.prompt == "prompt-3/r1"
+    assert by_index[3].dropped_tokens == 4 * 4  # the dropped group's 4 completions of 4 tokens (simulated engine)
     first_seed = group_seed(0, schedule.sampled_at(3), 3)
     assert by_index[3].request.seed == attempt_seed(first_seed, 1) != first_seed
     # Slot 6 ran out of attempts: its last group is trained on, and says it carries no signal.
     assert by_index[6].attempts == MAX_ATTEMPTS and not by_index[6].informative
     assert by_index[6].request.prompt == f"prompt-6/r{MAX_ATTEMPTS - 1}"
+    assert by_index[6].dropped_tokens == (MAX_ATTEMPTS - 1) * 4 * 4
     # Every other slot kept its first group.
     assert all(by_index[k].attempts == 1 and by_index[k].informative for k in (0, 1, 2, 4, 5, 7))
+    assert all(by_index[k].dropped_tokens == 0 for k in (0, 1, 2, 4, 5, 7))
     assert all(group.request.prompt == f"prompt-{group.index}" for group in taken if group.attempts == 1)
     # Each group, replacements included, was sampled by its slot's version, inside the bound.
     for group in taken:

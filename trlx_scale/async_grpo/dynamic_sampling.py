@@ -24,8 +24,9 @@ surplus to carry. In numbered steps:
 
 Metrics per step, over every rank's groups: ``batch/zero_variance_frac`` (of all groups sampled, dropped ones
 included), ``batch/filled_frac``, ``batch/generation_rounds`` (the most groups one slot sampled),
-``batch/oversampling_factor`` (groups sampled per group trained) and ``batch/carried_groups`` (0: nothing is carried
-over here).
+``batch/oversampling_factor`` (groups sampled per group trained), ``batch/carried_groups`` (0: nothing is carried
+over here) and ``batch/dropped_tokens`` (the prompt and completion tokens of the dropped groups: generated, never
+trained, so not in TRL's ``num_tokens``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from typing import Any
 
 import torch
 
+from ..agents.server_tool_sampler import TOOL_MASKS
 from ..compat import trl_trainer_state as trl_state
-from ..rollout.async_producer import ScoredGroup
+from ..rollout.async_producer import SampledGroup, ScoredGroup
 from ..rollout.batch import RolloutBatch
 from ..rollout.collector import RolloutCollector
 from ..rollout.group_replacement import GroupReplacement
@@ -80,7 +82,22 @@ class AsyncDynamicSampling(TrainerPart):
     # ---------------------------------------------------------------- the producer's side
     def replacement(self) -> GroupReplacement:
         """What the producer replaces groups with (``rollout.group_replacement``)."""
-        return GroupReplacement(keeps=self.keeps, prompt_for=self.replacement_prompt, max_attempts=self.max_attempts)
+        return GroupReplacement(
+            keeps=self.keeps,
+            prompt_for=self.replacement_prompt,
+            max_attempts=self.max_attempts,
+            token_count=self.token_count,
+        )
+
+    @staticmethod
+    def token_count(sampled: SampledGroup) -> int:
+        """A group's tokens as TRL's ``num_tokens`` counts a generation call's: each completion's prompt and sampled
+        tokens (a tool trajectory's tool results left out, as its tool mask says)."""
+        prompt = len(sampled.prompt_ids or [])
+        masks = sampled.extras.get(TOOL_MASKS)
+        if masks is not None:
+            return sum(prompt + sum(mask) for mask in masks)
+        return sum(prompt + len(ids) for ids in sampled.completion_ids)
 
     def keeps(self, rewards: list[list[float]]) -> bool:
         """Whether a scored group (its rewards per completion and function, NaN for None) carries signal."""
@@ -121,16 +138,19 @@ class AsyncDynamicSampling(TrainerPart):
         trainer = self.trainer
         attempts = [group.attempts for group in groups]
         dropped = sum(attempts) - len(groups) + sum(not group.informative for group in groups)
+        informative = sum(group.informative for group in groups)
+        dropped_tokens = sum(group.dropped_tokens for group in groups)
         local = torch.tensor(
-            [[sum(attempts), dropped, sum(group.informative for group in groups), len(groups), max(attempts)]],
+            [[sum(attempts), dropped, informative, len(groups), dropped_tokens, max(attempts)]],
             dtype=torch.float64,
             device=trainer.accelerator.device,
         )
-        every = trainer.accelerator.gather(local).view(-1, 5)
-        sampled, zero_variance, informative, slots = every[:, :4].sum(dim=0).tolist()
+        every = trainer.accelerator.gather(local).view(-1, 6)
+        sampled, zero_variance, informative, slots, dropped_tokens = every[:, :5].sum(dim=0).tolist()
         metrics = trl_state.metrics(trainer, "train")
         metrics["batch/zero_variance_frac"].append(zero_variance / sampled)
         metrics["batch/filled_frac"].append(informative / slots)
-        metrics["batch/generation_rounds"].append(every[:, 4].max().item())
+        metrics["batch/generation_rounds"].append(every[:, 5].max().item())
+        metrics["batch/dropped_tokens"].append(dropped_tokens)
         metrics["batch/oversampling_factor"].append(sampled / slots)
         metrics["batch/carried_groups"].append(0.0)

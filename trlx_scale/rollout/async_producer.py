@@ -77,8 +77,9 @@ class SampledGroup:
 @dataclass
 class ScoredGroup:
     """A sampled group with its rewards ((completions, reward functions), NaN for None) and its staleness. With
-    dynamic sampling (``GroupReplacement``): how many groups its slot sampled (this one the last) and whether it was
-    kept for its signal (False: the slot ran out of attempts)."""
+    dynamic sampling (``GroupReplacement``): how many groups its slot sampled (this one the last), whether it was
+    kept for its signal (False: the slot ran out of attempts) and the prompt and completion tokens of the groups its
+    slot dropped (generated, never trained: TRL's ``num_tokens`` counts the trained ones)."""
 
     request: GroupRequest
     sampled: SampledGroup
@@ -86,6 +87,7 @@ class ScoredGroup:
     staleness: int
     attempts: int = 1
     informative: bool = True
+    dropped_tokens: int = 0
 
     @property
     def index(self) -> int:
@@ -503,7 +505,7 @@ class RolloutProducer:
     async def _slot_group(self, request: GroupRequest) -> ScoredGroup:
         """The group the slot ``request.index`` trains on: its first group, or with dynamic sampling the first one
         kept among at most ``max_attempts`` (``rollout.group_replacement``)."""
-        first, attempt = request, 0
+        first, attempt, dropped_tokens = request, 0, 0
         while True:
             sampled, rewards = await self._sample_and_score(request)
             staleness = self.schedule.staleness(request.index, sampled.version)
@@ -512,7 +514,16 @@ class RolloutProducer:
             kept = self.replacement.keeps(rewards)
             attempt += 1
             if kept or attempt >= self.replacement.max_attempts:
-                return ScoredGroup(request, sampled, rewards, staleness, attempts=attempt, informative=kept)
+                return ScoredGroup(
+                    request,
+                    sampled,
+                    rewards,
+                    staleness,
+                    attempts=attempt,
+                    informative=kept,
+                    dropped_tokens=dropped_tokens,
+                )
+            dropped_tokens += self.replacement.token_count(sampled)
             prompt = self.replacement.prompt_for(first.prompt, attempt)
             seed = self.seed_for(first.index, first.version, prompt)
             request = dataclasses.replace(first, prompt=prompt, seed=attempt_seed(seed, attempt))

@@ -32,6 +32,8 @@ class GroupReplacement:
     keeps: Callable[[list[list[float]]], bool]  # a group's rewards (completions, functions) -> whether it is kept
     prompt_for: Callable[[Any, int], Any]  # (the slot's first prompt, attempt >= 1) -> that attempt's prompt
     max_attempts: int
+    # A dropped group's tokens as TRL's num_tokens counts a generation call's (the prompt's and the sampled ones).
+    token_count: Callable[[Any], int] = lambda sampled: 0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:

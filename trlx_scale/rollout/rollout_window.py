@@ -84,6 +84,7 @@ def save_window(path: str, groups: list[ScoredGroup], settings: dict[str, int]) 
         # Dynamic sampling: how many groups each slot sampled, and whether the one kept had signal.
         "attempts": [group.attempts for group in groups],
         "informative": [group.informative for group in groups],
+        "dropped_tokens": [group.dropped_tokens for group in groups],
         # The trainer's policy version of the weights that sampled each group (the sampled version is the rollout's).
         "policy_versions": [group.sampled.extras.get(RolloutPolicyVersions.EXTRAS_KEY) for group in groups],
         "prompt_ids": [list(group.sampled.prompt_ids or []) for group in groups],
@@ -152,6 +153,7 @@ def load_window(path: str) -> tuple[dict[str, int], list[ScoredGroup]]:
                 state["staleness"][position],
                 attempts=state.get("attempts", [1] * count)[position],
                 informative=state.get("informative", [True] * count)[position],
+                dropped_tokens=state.get("dropped_tokens", [0] * count)[position],
             )
         )
         row += size
