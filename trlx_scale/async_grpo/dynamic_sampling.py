@@ -129,7 +129,8 @@ class AsyncDynamicSampling(TrainerPart):
         row of the prompt it was sampled from."""
         trainer = self.trainer
         size = trainer.num_generations
-        groups = trainer.vllm_generation.upcoming_groups(len(rows) // size)
+        with trainer.phase_timer.phase("generation"):  # the wait for the producer's groups, as take_groups' is
+            groups = trainer.vllm_generation.upcoming_groups(len(rows) // size)
         self._log(groups)
         trained = [dict(self.slot_row(group.index, group.attempts - 1)) for group in groups for _ in range(size)]
         return RolloutCollector(trainer).collect(trained, version)
