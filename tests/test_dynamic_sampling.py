@@ -151,6 +151,14 @@ def test_bad_settings_name_the_field(tmp_path):
             dynamic_sampling_max_carry=2,
             vllm_server_base_url="http://x:1",
         )
+    with pytest.raises(ValueError, match="dynamic_sampling_max_oversample: AsyncGRPOTrainer has no generation rounds"):
+        small_grpo_config(
+            tmp_path,
+            AsyncGRPOConfig,
+            dynamic_sampling=True,
+            dynamic_sampling_max_oversample=3.0,
+            vllm_server_base_url="http://x:1",
+        )
 
 
 class _Lookup:

@@ -215,6 +215,13 @@ class AsyncGRPOConfig(GRPOConfig):
                 "dynamic_sampling_max_carry: AsyncGRPOTrainer carries no group over (its producer replaces each "
                 "dropped group as soon as it is scored, so no step has a surplus). Leave it unset."
             )
+        default_oversample = type(self).__dataclass_fields__["dynamic_sampling_max_oversample"].default
+        if self.dynamic_sampling and self.dynamic_sampling_max_oversample != default_oversample:
+            raise ValueError(
+                "dynamic_sampling_max_oversample: AsyncGRPOTrainer has no generation rounds to over-sample (its "
+                "producer replaces each dropped group as soon as it is scored; dynamic_sampling_max_rounds bounds the "
+                "groups one slot samples). Leave it at its default."
+            )
         if self.importance_sampling_level == "sequence" and self.vllm_importance_sampling_mode == "token_truncate":
             # GSPO (its recipe sets the level): the behaviour weight at the level of the objective's ratio.
             self.vllm_importance_sampling_mode = "sequence_truncate"
