@@ -176,12 +176,21 @@ class _Lookup:
         return "ok"
 
 
-def test_environment_rollouts_are_refused_by_name(tmp_path, default_model_dir, default_tokenizer):
+@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "AsyncGRPOTrainer"])
+def test_environment_rollouts_are_refused_by_name(tmp_path, default_model_dir, default_tokenizer, trainer_name):
+    """Both trainers, at construction (the asynchronous one before any server is reached)."""
+    from trlx_scale import AsyncGRPOTrainer
     from trlx_scale.tasks.tool_chat_template import with_tool_template
 
-    args = small_grpo_config(tmp_path, **ENGINE, dynamic_sampling=True)
+    if trainer_name == "GRPOTrainer":
+        trainer_class, args = GRPOTrainer, small_grpo_config(tmp_path, **ENGINE, dynamic_sampling=True)
+    else:
+        trainer_class = AsyncGRPOTrainer
+        args = small_grpo_config(
+            tmp_path, AsyncGRPOConfig, dynamic_sampling=True, vllm_server_base_url="http://127.0.0.1:9"
+        )
     with pytest.raises(ValueError, match="environment_factory and rollout_func hold per-trajectory state"):
-        GRPOTrainer(
+        trainer_class(
             default_model_dir,
             odd_answers_only,
             args,

@@ -37,6 +37,7 @@ import torch
 
 from ..agents.server_tool_sampler import TOOL_MASKS
 from ..compat import trl_trainer_state as trl_state
+from ..grpo.dynamic_sampling import check_dynamic_sampling_rollouts
 from ..rollout.async_producer import SampledGroup, ScoredGroup
 from ..rollout.batch import RolloutBatch
 from ..rollout.collector import RolloutCollector
@@ -51,7 +52,7 @@ class AsyncDynamicSampling(TrainerPart):
 
     def __init__(self, trainer: Any):
         super().__init__(trainer)
-        self.check()
+        check_dynamic_sampling_rollouts(trainer)
         self.max_attempts = trainer.args.dynamic_sampling_max_rounds
         self.refill = RefillPrompts(
             trainer.train_dataset,
@@ -63,21 +64,6 @@ class AsyncDynamicSampling(TrainerPart):
         # Read on the producer's thread: a copy of its own, on the CPU where the producer's rewards are.
         self.reward_weights = trainer.reward_weights.detach().to("cpu", torch.float32).clone()
         self.min_std = trainer.args.dynamic_sampling_min_std
-
-    def check(self) -> None:
-        """At construction: what dynamic sampling cannot replace yet, refused by name."""
-        trainer = self.trainer
-        if trainer.environment_factories is not None or trainer.rollout_func is not None:
-            raise ValueError(
-                "dynamic_sampling replaces groups of single-turn or tool-calling rollouts (tools=[...]): "
-                "environment_factory and rollout_func hold per-trajectory state (environments, episodes) that a "
-                "replacement would have to rebuild. Set dynamic_sampling=False for them."
-            )
-        if not hasattr(trainer.train_dataset, "__len__"):
-            raise ValueError(
-                "dynamic_sampling draws replacement prompts from train_dataset, which needs a length (a "
-                "datasets.Dataset, not an IterableDataset). Set dynamic_sampling=False for streamed data."
-            )
 
     # ---------------------------------------------------------------- the producer's side
     def replacement(self) -> GroupReplacement:

@@ -62,6 +62,22 @@ class ScoredGroup:
     tool_mask: list[list[int]] | None = None  # a tool trajectory's: 1 on sampled tokens, 0 on tool results
 
 
+def check_dynamic_sampling_rollouts(trainer: Any) -> None:
+    """At construction, in both trainers: what dynamic sampling cannot replace yet, refused by name."""
+    if trainer.environment_factories is not None or trainer.rollout_func is not None:
+        raise ValueError(
+            "dynamic_sampling replaces groups of single-turn or tool-calling rollouts (tools=[...]): "
+            "environment_factory and rollout_func hold per-trajectory state (environments, episodes) that cannot be "
+            "moved between ranks, carried to the next step or rebuilt for a replacement yet. Set "
+            "dynamic_sampling=False for them."
+        )
+    if not hasattr(trainer.train_dataset, "__len__"):
+        raise ValueError(
+            "dynamic_sampling draws replacement prompts from train_dataset, which needs a length (a "
+            "datasets.Dataset, not an IterableDataset). Set dynamic_sampling=False for streamed data."
+        )
+
+
 class DynamicSampling(TrainerPart):
     """``GRPOTrainer.dynamic_sampling`` (built when the field is on): see the module docstring."""
 
@@ -81,19 +97,7 @@ class DynamicSampling(TrainerPart):
         trainer.checkpoint_parts.register("dynamic_sampling", DynamicSamplingState(self))
 
     def check(self) -> None:
-        """At construction: what dynamic sampling cannot replace yet, refused by name."""
-        trainer = self.trainer
-        if trainer.environment_factories is not None or trainer.rollout_func is not None:
-            raise ValueError(
-                "dynamic_sampling replaces groups of single-turn or tool-calling rollouts (tools=[...]): "
-                "environment_factory and rollout_func hold per-trajectory state (environments) that cannot be moved "
-                "between ranks or carried to the next step yet. Set dynamic_sampling=False for them."
-            )
-        if not hasattr(trainer.train_dataset, "__len__"):
-            raise ValueError(
-                "dynamic_sampling draws replacement prompts from train_dataset, which needs a length (a "
-                "datasets.Dataset, not an IterableDataset). Set dynamic_sampling=False for streamed data."
-            )
+        check_dynamic_sampling_rollouts(self.trainer)
 
     @property
     def carry_limit(self) -> int:
